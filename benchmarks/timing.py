@@ -1,0 +1,34 @@
+"""Timing helpers shared by the benchmarks: CUDA events, warm-up, median of many runs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def median_ms(fn, *, warmup: int = 3, iters: int = 20, device: torch.device | None = None) -> float:
+    """Median wall time of fn() in milliseconds; CUDA events on a GPU, perf_counter on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def tbps(num_bytes: int, ms: float) -> float:
+    return num_bytes / (ms * 1e-3) / 1e12

@@ -1,0 +1,97 @@
+"""Device memory of the paged KV cache: K and V for every layer, in chunks of blocks.
+
+Each chunk is one torch allocation (so the model and the cache share torch's caching allocator)
+of shape [num_layers, 2, chunk_blocks, block_size, num_kv_heads, head_dim]; index 0 of dim 1 is
+K, 1 is V. Growing the pool adds a chunk, shrinking drops chunks from the tail: nothing is ever
+reallocated or copied to change the pool's size. Kernels reach the chunks through a device table
+of base pointers, and CuPy sees each chunk as a zero-copy view of the same memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import CacheConfig
+
+
+class PagedKVStorage:
+    def __init__(self, config: CacheConfig, chunk_blocks: int):
+        self.config = config
+        self.chunk_blocks = chunk_blocks
+        self.device = config.device
+        self.chunks: list[torch.Tensor] = []
+        self.cupy_views: list = []  # zero-copy CuPy views, one per chunk (CUDA with CuPy only)
+        self.cupy_chunk_ptrs = None  # zero-copy CuPy view of chunk_ptrs: the kernels' argument
+        self.chunk_ptrs = torch.empty(0, dtype=torch.int64, device=self.device)
+
+    # --------------------------------------------------------------- layout
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        c = self.config
+        return (c.num_layers, 2, self.chunk_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.chunks) * self.chunk_blocks
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self.chunk_blocks * self.config.block_bytes
+
+    @property
+    def layer_block_bytes(self) -> int:
+        """Bytes of one block of one layer for K (or V)."""
+        return self.config.layer_block_elems * self.config.dtype_size
+
+    @property
+    def allocated_bytes(self) -> int:
+        return len(self.chunks) * self.chunk_bytes
+
+    # ------------------------------------------------------- grow / shrink
+    def add_chunks(self, count: int) -> None:
+        for _ in range(count):
+            # empty, not zeros: blocks are always written before they are read.
+            self.chunks.append(torch.empty(self.chunk_shape, dtype=self.config.dtype, device=self.device))
+        self._refresh_views()
+
+    def release_chunks(self, count: int) -> None:
+        """Drop the last `count` chunks and hand their memory back to the device."""
+        if count <= 0:
+            return
+        del self.chunks[len(self.chunks) - count :]
+        self._refresh_views()
+        if self.device.type == "cuda":
+            # Stream-ordered: queued kernels on these chunks finish before the memory is reused.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+    def _refresh_views(self) -> None:
+        self.cupy_views, self.cupy_chunk_ptrs = [], None
+        self.chunk_ptrs = torch.tensor([t.data_ptr() for t in self.chunks], dtype=torch.int64,
+                                       device=self.device)
+        if self.device.type == "cuda" and self.chunks:
+            try:
+                import cupy
+            except Exception:
+                return  # the fallback runs; kernel_loader logs why
+            self.cupy_views = [cupy.from_dlpack(t.detach()) for t in self.chunks]
+            self.cupy_chunk_ptrs = cupy.from_dlpack(self.chunk_ptrs)
+
+    # ------------------------------------------------------------- access
+    def locate(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chunk index, index within the chunk) of each block id."""
+        return block_ids // self.chunk_blocks, block_ids % self.chunk_blocks
+
+    def block_data(self, block_id: int) -> torch.Tensor:
+        """View [num_layers, 2, block_size, num_kv_heads, head_dim] of one block."""
+        chunk, within = divmod(block_id, self.chunk_blocks)
+        return self.chunks[chunk][:, :, within]
+
+    def read_tokens(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Copy of the K/V of a sequence's first `num_tokens` tokens: [num_layers, 2, T, H, D]."""
+        c = self.config
+        if not block_ids:
+            return torch.empty((c.num_layers, 2, 0, c.num_kv_heads, c.head_dim), dtype=c.dtype,
+                               device=self.device)
+        data = torch.stack([self.block_data(b) for b in block_ids], dim=2)  # [L, 2, nb, bs, H, D]
+        return data.flatten(2, 3)[:, :, :num_tokens].clone()

@@ -1,0 +1,193 @@
+"""Small pools with exact block ids, ref counts and free lists after every step."""
+
+import pytest
+
+import ponytail.block_allocator as block_allocator
+from ponytail.block_allocator import BlockAllocator, NoRoom
+
+
+def refs(alloc: BlockAllocator) -> list[int]:
+    return [b.ref_count for b in alloc.blocks]
+
+
+def test_allocate_takes_lowest_ids_and_appends_only_at_boundaries():
+    alloc = BlockAllocator(12, block_size=4)
+    result = alloc.allocate("a", list(range(10)))
+    assert alloc.block_table("a") == [0, 1, 2]
+    assert result.slots == list(range(10))
+    assert result.copies == [] and result.num_cached_tokens == 0
+    assert refs(alloc)[:4] == [1, 1, 1, 0]
+    assert alloc.num_free == 9
+
+    assert alloc.append("a", [10, 11]).slots == [10, 11]  # fills block 2, no new block
+    assert alloc.block_table("a") == [0, 1, 2]
+    assert alloc.append("a", [12]).slots == [12]  # boundary: block 3
+    assert alloc.block_table("a") == [0, 1, 2, 3]
+    assert alloc.seq_len("a") == 13
+    assert alloc.invariants() == []
+
+
+def test_free_returns_blocks_and_next_allocation_reuses_lowest():
+    alloc = BlockAllocator(12, block_size=4, enable_prefix_caching=False)
+    alloc.allocate("a", [1] * 8)
+    alloc.allocate("b", [2] * 4)
+    alloc.free("a")
+    assert alloc.num_free == 11 and alloc.block_table("b") == [2]
+    alloc.allocate("c", [3] * 5)
+    assert alloc.block_table("c") == [0, 1]
+    assert alloc.invariants() == []
+
+
+def test_fork_shares_blocks_and_copy_on_write_of_shared_partial_block():
+    alloc = BlockAllocator(12, block_size=4)
+    alloc.allocate("p", [1, 2, 3, 4, 5, 6])  # block 0 full, block 1 holds 2 tokens
+    alloc.fork("p", "c")
+    assert alloc.block_table("c") == [0, 1]
+    assert refs(alloc)[:3] == [2, 2, 0]
+
+    child = alloc.append("c", [99])
+    assert child.copies == [(1, 2)]  # the shared partial block is copied first
+    assert child.slots == [2 * 4 + 2]
+    assert alloc.block_table("c") == [0, 2]
+    assert refs(alloc)[:3] == [2, 1, 1]
+
+    parent = alloc.append("p", [7])  # block 1 is the parent's alone now: written in place
+    assert parent.copies == [] and parent.slots == [6]
+    assert alloc.invariants() == []
+
+    alloc.free("p")
+    assert refs(alloc)[:3] == [1, 0, 1]
+    alloc.free("c")
+    assert alloc.num_used == 0
+    assert alloc.invariants() == []
+
+
+def test_fork_at_block_boundary_needs_no_copy():
+    alloc = BlockAllocator(12, block_size=4)
+    alloc.allocate("p", [1, 2, 3, 4])
+    alloc.fork("p", "c")
+    result = alloc.append("c", [5])
+    assert result.copies == [] and alloc.block_table("c") == [0, 1]
+    assert alloc.invariants() == []
+
+
+def test_no_room_changes_nothing():
+    alloc = BlockAllocator(3, block_size=4)
+    result = alloc.allocate("a", list(range(13)))
+    assert isinstance(result, NoRoom) and not result
+    assert (result.needed, result.free) == (4, 3)
+    assert result.message == "no room: needs 4 free KV blocks, 3 available"
+    assert not alloc.has_seq("a") and alloc.num_free == 3
+
+    alloc.allocate("b", list(range(12)))
+    before = alloc.block_table("b")
+    refused = alloc.append("b", [1])
+    assert not refused and refused.needed == 1 and refused.free == 0
+    assert alloc.block_table("b") == before and alloc.seq_len("b") == 12
+    assert alloc.invariants() == []
+
+
+def test_copy_on_write_counts_toward_room():
+    alloc = BlockAllocator(2, block_size=4)
+    alloc.allocate("p", [1, 2])
+    alloc.fork("p", "c")
+    assert alloc.blocks_needed_to_append("c", 1) == 1
+    alloc.allocate("x", [3])
+    assert not alloc.append("c", [4])
+    assert alloc.invariants() == []
+
+
+def test_prefix_blocks_are_cached_reused_and_evicted_lru():
+    alloc = BlockAllocator(4, block_size=4)
+    alloc.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # blocks 0, 1 full; block 2 partial
+    alloc.free("a")
+    assert alloc.num_evictable == 2 and alloc.num_free == 4
+
+    hit = alloc.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 10])
+    assert hit.num_cached_tokens == 8
+    assert alloc.block_table("b") == [0, 1, 2]
+    assert hit.slots == [8]
+    assert refs(alloc) == [1, 1, 1, 0]
+
+    partial = alloc.allocate("c", [1, 2, 3, 4, 0, 0, 0, 0])  # only the first block matches
+    assert partial.num_cached_tokens == 4
+    assert alloc.block_table("c") == [0, 3]
+    assert refs(alloc) == [2, 1, 1, 1]
+    alloc.free("b")
+    alloc.free("c")
+    # Freed tail first: LRU order is b's block 1, then c's block 3, then block 0.
+    assert list(alloc._evictable) == [1, 3, 0]
+    alloc.allocate("d", list(range(100, 108)))  # needs 2 blocks: free block 2, then evicts 1
+    assert alloc.block_table("d") == [2, 1]
+    assert alloc.num_evictable == 2
+    assert alloc.invariants() == []
+
+
+def test_hash_collision_is_caught_by_token_check(monkeypatch):
+    monkeypatch.setattr(block_allocator, "chain_hash", lambda prev, tokens: 42)
+    alloc = BlockAllocator(4, block_size=2)
+    alloc.allocate("a", [1, 2])
+    alloc.free("a")
+    result = alloc.allocate("b", [3, 4])
+    assert result.num_cached_tokens == 0
+    assert alloc.block_table("b") == [1]
+    assert alloc.invariants() == []
+
+
+def test_compaction_moves_fewest_blocks_and_remaps_tables():
+    alloc = BlockAllocator(12, block_size=4, enable_prefix_caching=False)
+    alloc.allocate("a", [0] * 4)  # [0]
+    alloc.allocate("b", [0] * 4)  # [1]
+    alloc.allocate("c", [0] * 8)  # [2, 3]
+    alloc.allocate("d", [0] * 4)  # [4]
+    alloc.free("a")
+    alloc.free("c")
+    assert alloc.high_water_mark == 5
+    assert alloc.fragmentation == pytest.approx(3 / 5)
+    moves = alloc.plan_compaction()
+    assert moves == {4: 0}
+    assert alloc.block_table("b") == [1] and alloc.block_table("d") == [0]
+    assert alloc.high_water_mark == 2 and alloc.fragmentation == 0.0
+    assert alloc.invariants() == []
+    assert alloc.plan_compaction() == {}
+
+
+def test_compaction_remaps_prefix_hash_entries():
+    alloc = BlockAllocator(8, block_size=4)
+    alloc.allocate("a", [9, 9, 9])  # partial: not cached
+    alloc.allocate("b", [1, 1, 1, 1])
+    alloc.allocate("c", [2, 2, 2, 2])
+    alloc.free("a")  # block 0 free
+    alloc.free("c")  # block 2 evictable
+    assert alloc.plan_compaction() == {2: 0}
+    assert list(alloc._evictable) == [0]
+    assert alloc.invariants() == []
+    hit = alloc.allocate("d", [2, 2, 2, 2, 3])
+    assert hit.num_cached_tokens == 4 and alloc.block_table("d") == [0, 2]
+
+
+def test_grow_and_shrink_capacity():
+    alloc = BlockAllocator(4, block_size=4)
+    alloc.grow(4)
+    assert alloc.num_blocks == 8 and alloc.num_free == 8
+    alloc.allocate("a", [0] * 8)
+    alloc.free("a")  # two evictable blocks at ids 0, 1
+    alloc.allocate("b", [1] * 20)  # ids 2..6
+    with pytest.raises(ValueError, match="still in use; compact first"):
+        alloc.shrink(4)
+    alloc.free("b")
+    alloc.shrink(6)
+    assert alloc.num_blocks == 2 and alloc.invariants() == []
+
+
+def test_bad_sequence_ids_are_clear_errors():
+    alloc = BlockAllocator(4, block_size=4)
+    alloc.allocate("a", [1])
+    with pytest.raises(ValueError, match="seq_id='a' is already allocated"):
+        alloc.allocate("a", [1])
+    with pytest.raises(KeyError, match="seq_id='zz' is not allocated"):
+        alloc.append("zz", [1])
+    with pytest.raises(ValueError, match="child_id='a' is already allocated"):
+        alloc.fork("a", "a")
+    with pytest.raises(KeyError, match="seq_id='zz' is not allocated"):
+        alloc.free("zz")
