@@ -243,6 +243,17 @@ class BlockAllocator:
         self._free = [b for b in self._free if b < new_total]
         heapq.heapify(self._free)
 
+    def evict(self, count: int) -> int:
+        """Drop up to `count` cached prefix blocks, least recently used first; returns how many."""
+        dropped = 0
+        while dropped < count and self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._hash_to_block[self.blocks[block_id].hash]
+            self.blocks[block_id].reset()
+            heapq.heappush(self._free, block_id)
+            dropped += 1
+        return dropped
+
     def plan_compaction(self) -> dict[int, int]:
         """Move every block holding data into the lowest ids with the fewest moves.
 
@@ -317,13 +328,9 @@ class BlockAllocator:
                 and self.blocks[state.block_ids[-1]].ref_count > 1)
 
     def _take_block(self) -> int:
-        if self._free:
-            block_id = heapq.heappop(self._free)
-        else:
-            block_id, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self.blocks[block_id].hash]
-            self.blocks[block_id].reset()
-        return block_id
+        if not self._free:
+            self.evict(1)
+        return heapq.heappop(self._free)
 
     def _extend(self, state: _SeqState, token_ids: list[int]) -> list[int]:
         """Place tokens after the sequence's end, taking blocks at boundaries and sealing full ones."""

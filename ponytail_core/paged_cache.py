@@ -119,17 +119,21 @@ class PagedKVCache:
         return DefragResult(blocks_moved=len(moves), bytes_moved=len(moves) * self.config.block_bytes)
 
     def shrink(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
-        """Compact if needed, then give tail chunks back to the device; returns chunks released.
+        """Give tail chunks back to the device; returns how many chunks were released.
 
-        Keeps at least `keep_free_blocks` free blocks and `min_chunks` chunks.
+        Keeps every block live sequences hold, at least `keep_free_blocks` more and `min_chunks`
+        chunks. Cached prefix blocks that no longer fit are evicted, least recently used first;
+        the rest are compacted below the cut together with the live ones.
         """
         chunk_blocks = self.storage.chunk_blocks
-        occupied = self.allocator.num_blocks - (self.allocator.num_free - self.allocator.num_evictable)
-        needed_chunks = max(min_chunks, -(-(occupied + keep_free_blocks) // chunk_blocks))
+        needed_chunks = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // chunk_blocks))
         release = self.num_chunks - needed_chunks
         if release <= 0:
             return 0
-        if self.allocator.high_water_mark > needed_chunks * chunk_blocks:
+        capacity = needed_chunks * chunk_blocks
+        holding_data = self.allocator.num_used + self.allocator.num_evictable
+        self.allocator.evict(holding_data - capacity)
+        if self.allocator.high_water_mark > capacity:
             self.defragment()
         self.allocator.shrink(release * chunk_blocks)
         self.storage.release_chunks(release)

@@ -1,0 +1,127 @@
+"""The elastic pool: growth within the budget, defragmentation, shrinking, the maintain() policy."""
+
+import pytest
+import torch
+
+from ponytail import CacheConfig, ConfigError, NoRoom, PagedKVCache, create_cache
+
+
+def make_cache(max_blocks=12, chunk_blocks=4, threshold=0.1, prefix_caching=False) -> PagedKVCache:
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", max_batch_size=1,
+                         max_seq_len=max_blocks * 4, block_size=4, chunk_blocks=chunk_blocks,
+                         defrag_threshold=threshold, device="cpu")
+    cache = PagedKVCache(config)
+    cache.allocator.enable_prefix_caching = prefix_caching
+    return cache
+
+
+def fill(cache, seq_id, n):
+    result = cache.allocate(seq_id, [seq_id * 1000 + i for i in range(n)])  # distinct tokens
+    assert result
+    k = torch.randn(2, n, 2, 4)
+    cache.write(k, -k, result.slots)
+    return k
+
+
+def assert_holds(cache, seq_id, k):
+    data = cache.read(seq_id)
+    assert torch.equal(data[:, 0], k) and torch.equal(data[:, 1], -k)
+
+
+def test_pool_starts_with_one_chunk_and_grows_on_demand_within_budget():
+    cache = make_cache()
+    assert cache.stats().total_blocks == 4
+    fill(cache, 1, 20)  # 5 blocks: one more chunk
+    assert cache.stats().total_blocks == 8 and cache.num_chunks == 2
+    fill(cache, 2, 16)  # 4 more: the third and last chunk
+    assert cache.num_chunks == 3
+    refused = cache.allocate(3, list(range(16)))
+    assert isinstance(refused, NoRoom) and refused.needed == 4 and refused.free == 3
+    assert cache.num_chunks == 3 and cache.invariants() == []
+
+
+def test_defragment_moves_fewest_blocks_and_keeps_data_bit_exact():
+    cache = make_cache()
+    fill(cache, 1, 8)  # blocks 0, 1
+    k2 = fill(cache, 2, 8)  # blocks 2, 3
+    k3 = fill(cache, 3, 6)  # blocks 4, 5
+    cache.free(1)
+    assert cache.fragmentation == pytest.approx(2 / 6)
+    result = cache.defragment()
+    assert result.blocks_moved == 2
+    assert result.bytes_moved == 2 * cache.config.block_bytes
+    assert cache.block_table(3) == [0, 1] and cache.block_table(2) == [2, 3]
+    assert_holds(cache, 2, k2)
+    assert_holds(cache, 3, k3)
+    assert cache.fragmentation == 0.0 and cache.invariants() == []
+
+
+def test_shrink_compacts_then_releases_tail_chunks():
+    cache = make_cache()
+    fill(cache, 1, 16)
+    fill(cache, 2, 16)
+    k3 = fill(cache, 3, 4)  # block 8, in the third chunk
+    cache.free(1)
+    cache.free(2)
+    assert cache.num_chunks == 3
+    assert cache.shrink() == 2
+    assert cache.num_chunks == 1 and cache.block_table(3) == [0]
+    assert_holds(cache, 3, k3)
+    assert cache.storage.allocated_bytes == 4 * cache.config.block_bytes
+    assert cache.invariants() == []
+
+
+def test_shrink_evicts_least_recently_used_prefix_blocks_and_keeps_the_rest():
+    cache = make_cache(prefix_caching=True)
+    k1 = fill(cache, 1, 16)  # blocks 0..3, all full: cached when freed
+    fill(cache, 2, 20)  # blocks 4..8
+    cache.free(2)
+    cache.free(1)
+    assert cache.stats().evictable_blocks == 9 and cache.stats().used_blocks == 0
+    assert cache.shrink() == 2  # one chunk kept: seq 2's older blocks are evicted
+    assert cache.stats().evictable_blocks == 4 and cache.num_chunks == 1
+    hit = cache.allocate(5, [1000 + i for i in range(16)] + [7])
+    assert hit.num_cached_tokens == 16
+    assert torch.equal(cache.read(5)[:, 0, :16], k1)
+    assert cache.invariants() == []
+
+
+def test_maintain_grows_when_low_defragments_over_threshold_and_releases_idle_chunks():
+    cache = make_cache(max_blocks=16, chunk_blocks=4, threshold=0.3)
+    fill(cache, 1, 4)  # block 0
+    fill(cache, 2, 12)  # blocks 1..3: the first chunk is full
+    report = cache.maintain()  # 0 free blocks: under the 5% watermark
+    assert report.chunks_added == 1 and cache.num_chunks == 2
+    k3 = fill(cache, 3, 8)  # blocks 4, 5
+    cache.free(2)  # holes 1..3 below the high-water mark 6: fragmentation 0.5
+    report = cache.maintain()
+    assert report.defrag is not None and report.defrag.blocks_moved == 2
+    assert cache.block_table(3) == [1, 2]
+    assert_holds(cache, 3, k3)
+    # 3 blocks occupied + one chunk of headroom fit in 2 chunks: nothing to release yet.
+    assert report.chunks_released == 0 and cache.num_chunks == 2
+    fill(cache, 4, 32)  # 8 blocks, 5 free: grows by the one chunk it lacks
+    assert cache.num_chunks == 3
+    cache.free(4)
+    report = cache.maintain()
+    assert report.chunks_released == 1 and cache.num_chunks == 2
+    assert cache.invariants() == []
+
+
+def test_create_cache_with_explicit_shape_and_from_a_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cache = create_cache(max_batch_size=8, max_seq_len=4096, num_layers=32, num_heads=32, head_dim=128,
+                         dtype="bfloat16", device="cpu", memory_budget="64MiB")
+    assert (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) == (32, 32, 128)
+    assert cache.config.dtype == torch.bfloat16
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=64))
+    cache = create_cache(model=model, max_batch_size=4, max_seq_len=256)
+    assert (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) == (2, 3, 64)
+    assert cache.config.device == torch.device("cpu") and cache.config.dtype == torch.float32
+    with pytest.raises(ConfigError, match=r"num_heads=8 does not match the model .*num_attention_heads=9"):
+        create_cache(model=model, max_batch_size=4, max_seq_len=256, num_heads=8)
+    with pytest.raises(ConfigError, match=r"dtype=float16 does not match the model .*float32"):
+        create_cache(model=model, max_batch_size=4, max_seq_len=256, dtype="float16")
