@@ -23,6 +23,8 @@ from timing import median_ms, tbps
 from ponytail import CacheConfig, PagedKVCache
 from ponytail import cache_ops
 
+REPS = 10  # calls per timed sample: steady-state throughput
+
 
 def make_cache(layers, kv_heads, head_dim, dtype, blocks, chunks, device) -> PagedKVCache:
     config = CacheConfig(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
@@ -40,7 +42,7 @@ def fill_random(cache: PagedKVCache) -> None:
 def plain_copy_ms(num_bytes: int, device, iters) -> float:
     src = torch.randn(num_bytes // 2, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src), iters=iters, device=device)
+    ms = median_ms(lambda: dst.copy_(src), iters=iters, reps=REPS, device=device)
     del src, dst
     return ms
 
@@ -61,10 +63,21 @@ def bench_block_copy(name, layers, kv_heads, head_dim, num_pairs, device, iters)
     for (s, d), ref in zip(pairs[:8], before):
         assert torch.equal(storage.block_data(d).view(torch.int16), ref.view(torch.int16)), "copy mismatch"
 
-    kernel_ms = median_ms(lambda: cache_ops.copy_blocks(storage, pairs), iters=iters, device=device)
+    kernel_ms = median_ms(lambda: cache_ops.copy_blocks(storage, pairs), iters=iters, reps=REPS, device=device)
+    single_ms = median_ms(lambda: cache_ops.copy_blocks(storage, pairs), iters=iters, device=device)
+    launch_only = {}
+    if device.type == "cuda":  # the launch alone, pairs already on the device, per unroll depth
+        pair_tensor = torch.tensor(pairs, dtype=torch.int64, device=device)
+        for unroll in (4, 8):
+            old = cache_ops._LAUNCH["copy_unroll"]
+            cache_ops._LAUNCH["copy_unroll"] = unroll
+            ms = median_ms(lambda: cache_ops.launch_copy_blocks(storage, pair_tensor), iters=iters,
+                           reps=REPS, device=device)
+            cache_ops._LAUNCH["copy_unroll"] = old
+            launch_only[f"launch_only_u{unroll}_tbps"] = tbps(2 * copied, ms)
     del cache, storage, before
     base_ms = plain_copy_ms(copied, device, iters)
-    return row(f"copy_blocks {name}", copied, kernel_ms, base_ms)
+    return {**row(f"copy_blocks {name}", copied, kernel_ms, base_ms, single_ms), **launch_only}
 
 
 def bench_slot_write(name, layers, kv_heads, head_dim, tokens, device, iters, per_layer=False) -> dict:
@@ -92,16 +105,18 @@ def bench_slot_write(name, layers, kv_heads, head_dim, tokens, device, iters, pe
         block = cache.storage.block_data(b)
         assert torch.equal(block[:, 0, off], keys[:, t]) and torch.equal(block[:, 1, off], values[:, t]), \
             "slot write mismatch"
-    kernel_ms = median_ms(write_all, iters=iters, device=device)
+    kernel_ms = median_ms(write_all, iters=iters, reps=REPS, device=device)
+    single_ms = median_ms(write_all, iters=iters, device=device)
     del cache, keys, values
     base_ms = plain_copy_ms(written, device, iters)
     label = "write_slots per layer" if per_layer else "write_slots all layers"
-    return row(f"{label} {name}", written, kernel_ms, base_ms)
+    return row(f"{label} {name}", written, kernel_ms, base_ms, single_ms)
 
 
-def row(name, payload_bytes, kernel_ms, base_ms) -> dict:
+def row(name, payload_bytes, kernel_ms, base_ms, single_ms) -> dict:
     moved = 2 * payload_bytes  # read + write
     return {"case": name, "payload_bytes": payload_bytes, "kernel_ms": kernel_ms, "torch_copy_ms": base_ms,
+            "single_call_ms": single_ms, "single_call_tbps": tbps(moved, single_ms),
             "kernel_tbps": tbps(moved, kernel_ms), "torch_copy_tbps": tbps(moved, base_ms),
             "ratio": base_ms / kernel_ms}
 
@@ -136,10 +151,16 @@ def main() -> int:
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "kernels": os.environ.get("PONYTAIL_KERNELS", "auto")}
     print(f"\n{env}")
-    print(f"{'case':44s} {'payload':>10s} {'kernel':>10s} {'torch copy':>11s} {'ratio':>6s}")
+    print(f"{'case':44s} {'payload':>10s} {'ponytail':>10s} {'torch copy':>11s} {'ratio':>6s} {'1 call':>10s}")
     for r in results:
         print(f"{r['case']:44s} {r['payload_bytes'] / 1e6:8.0f}MB {r['kernel_tbps']:7.2f}TB/s "
-              f"{r['torch_copy_tbps']:8.2f}TB/s {r['ratio']:6.2f}")
+              f"{r['torch_copy_tbps']:8.2f}TB/s {r['ratio']:6.2f} {r['single_call_tbps']:7.2f}TB/s")
+    for r in results:
+        if "launch_only_u4_tbps" in r:
+            print(f"  {r['case']}: launch alone {r['launch_only_u4_tbps']:.2f} TB/s (unroll 4), "
+                  f"{r['launch_only_u8_tbps']:.2f} TB/s (unroll 8)")
+    print("bandwidth = (bytes read + bytes written) / time; ratio = ponytail / torch copy, both "
+          f"timed {REPS} calls back to back; '1 call' = one isolated call, host overhead included")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": results}, f, indent=2)

@@ -17,6 +17,7 @@ _SOURCE = "cache_ops.cu"
 _LAUNCH = {
     "write_max_threads": 512,  # one CTA per (token, layer); threads cover heads x row vectors
     "copy_threads": 256,  # one CTA per (block pair, layer, K-or-V)
+    "copy_unroll": 4,  # 16-byte loads in flight per thread before its stores (4 or 8: same speed on H200)
 }
 _VECTOR_WIDTHS = (16, 8, 4, 2)
 
@@ -109,56 +110,57 @@ def _write_slots_torch(storage, keys, values, slot_mapping, layer_start) -> None
 
 
 # ---------------------------------------------------------------- copy_blocks
-def _check_pairs(storage: PagedKVStorage, pairs: list[tuple[int, int]]) -> None:
+def _check_pairs(storage: PagedKVStorage, pairs: np.ndarray) -> None:
+    if pairs.ndim != 2 or pairs.shape[1] != 2:
+        raise KernelError(f"copy_blocks: pairs must be (src, dst) pairs, got shape {pairs.shape}")
     n = storage.num_blocks
-    srcs = [s for s, _ in pairs]
-    dsts = [d for _, d in pairs]
-    bad = [b for b in srcs + dsts if not 0 <= b < n]
-    if bad:
-        raise KernelError(f"block ids {bad[:8]} are outside the pool's {n} blocks")
-    if len(set(dsts)) != len(dsts):
+    bad = pairs[(pairs < 0) | (pairs >= n)]
+    if bad.size:
+        raise KernelError(f"block ids {bad[:8].tolist()} are outside the pool's {n} blocks")
+    if np.unique(pairs[:, 1]).size != len(pairs):
         raise KernelError("copy_blocks: a destination block appears twice")
-    if set(dsts) & set(srcs):
+    if np.intersect1d(pairs[:, 0], pairs[:, 1]).size:
         raise KernelError("copy_blocks: a block is both a source and a destination (the copies would race)")
 
 
-def copy_blocks(storage: PagedKVStorage, pairs: list[tuple[int, int]]) -> None:
-    """Copy whole blocks (every layer, K and V) from src to dst ids, in one launch."""
-    if not pairs:
+def copy_blocks(storage: PagedKVStorage, pairs) -> None:
+    """Copy whole blocks (every layer, K and V) from src to dst ids, in one launch.
+
+    `pairs` is a sequence of (src, dst) or an int array of shape [n, 2].
+    """
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else np.empty((0, 2), np.int64)
+    if not len(pairs):
         return
     _check_pairs(storage, pairs)
     choice = kernel_loader.choose(storage.device)
     kernel_loader.log_choice("copy_blocks", choice)
     if choice.use_custom:
-        _copy_blocks_cupy(storage, pairs)
+        pair_tensor = torch.from_numpy(pairs).pin_memory().to(storage.device, non_blocking=True)
+        launch_copy_blocks(storage, pair_tensor)
+        # Keep the index tensor alive until the stream has consumed it.
+        pair_tensor.record_stream(torch.cuda.current_stream(storage.device))
     else:
         _copy_blocks_torch(storage, pairs)
 
 
-def _copy_blocks_cupy(storage: PagedKVStorage, pairs) -> None:
+def launch_copy_blocks(storage: PagedKVStorage, pair_tensor: torch.Tensor) -> None:
+    """The kernel launch alone, for pairs already checked and on the device ([n, 2] int64)."""
     layer_block_bytes = storage.layer_block_bytes
     width = _vector_width(layer_block_bytes)
-    kernel = kernel_loader.get_kernel(_SOURCE, f"copy_blocks_v{width}", storage.device)
-    pair_tensor = torch.tensor(pairs, dtype=torch.int64).to(storage.device, non_blocking=True)
-    grid = (len(pairs), 2 * storage.config.num_layers)
+    kernel = kernel_loader.get_kernel(_SOURCE, f"copy_blocks_v{width}_u{_LAUNCH['copy_unroll']}", storage.device)
+    grid = (pair_tensor.shape[0], 2 * storage.config.num_layers)
     with kernel_loader.on_torch_stream(storage.device):
         kernel(grid, (_LAUNCH["copy_threads"],), (
             storage.cupy_chunk_ptrs, np.uint64(pair_tensor.data_ptr()),
             np.int32(storage.chunk_blocks), np.int64(layer_block_bytes)))
-    # Keep the index tensor alive until the stream has consumed it.
-    pair_tensor.record_stream(torch.cuda.current_stream(storage.device))
 
 
-def _copy_blocks_torch(storage: PagedKVStorage, pairs) -> None:
+def _copy_blocks_torch(storage: PagedKVStorage, pairs: np.ndarray) -> None:
     # No destination is a source (checked), so copying group by group equals one batched copy.
-    groups: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    for src, dst in pairs:
-        sc, sw = divmod(src, storage.chunk_blocks)
-        dc, dw = divmod(dst, storage.chunk_blocks)
-        src_list, dst_list = groups.setdefault((sc, dc), ([], []))
-        src_list.append(sw)
-        dst_list.append(dw)
-    for (sc, dc), (src_within, dst_within) in groups.items():
-        src_index = torch.tensor(src_within, device=storage.device)
-        dst_index = torch.tensor(dst_within, device=storage.device)
+    src_chunk, src_within = np.divmod(pairs[:, 0], storage.chunk_blocks)
+    dst_chunk, dst_within = np.divmod(pairs[:, 1], storage.chunk_blocks)
+    for sc, dc in set(zip(src_chunk.tolist(), dst_chunk.tolist())):
+        sel = (src_chunk == sc) & (dst_chunk == dc)
+        src_index = torch.from_numpy(src_within[sel]).to(storage.device)
+        dst_index = torch.from_numpy(dst_within[sel]).to(storage.device)
         storage.chunks[dc][:, :, dst_index] = storage.chunks[sc][:, :, src_index]

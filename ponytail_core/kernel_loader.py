@@ -102,7 +102,30 @@ def load_module(filename: str, device_index: int):
 
 
 def get_kernel(filename: str, name: str, device: torch.device):
-    return load_module(filename, device.index).get_function(name)
+    return _function(filename, name, device.index)
+
+
+@functools.cache
+def _function(filename: str, name: str, device_index: int):
+    return load_module(filename, device_index).get_function(name)
+
+
+_cupy_streams: dict[tuple[int, int], object] = {}
+
+
+def _cupy_stream(stream: torch.cuda.Stream):
+    """CuPy's handle on a torch stream, made once per stream (creating one per launch costs)."""
+    import cupy
+
+    key = (stream.device.index, stream.cuda_stream)
+    handle = _cupy_streams.get(key)
+    if handle is None:
+        if hasattr(cupy.cuda.Stream, "from_external") and hasattr(stream, "__cuda_stream__"):
+            handle = cupy.cuda.Stream.from_external(stream)  # CuPy >= 14
+        else:
+            handle = cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+        _cupy_streams[key] = handle
+    return handle
 
 
 @contextlib.contextmanager
@@ -110,6 +133,5 @@ def on_torch_stream(device: torch.device):
     """Launch CuPy kernels on the device and stream torch is using, so ordering is preserved."""
     import cupy
 
-    stream = torch.cuda.current_stream(device)
-    with cupy.cuda.Device(device.index), cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+    with cupy.cuda.Device(device.index), _cupy_stream(torch.cuda.current_stream(device)):
         yield

@@ -102,10 +102,10 @@ def test_shrink_gives_memory_back_to_the_device():
     for seq in range(8):  # 8 x 1024 tokens = 512 blocks; then a long one to force growth
         assert cache.allocate(seq, [seq] * 1024)
     assert cache.allocate("long", list(range(3 * 1024 * 16)))
-    grown = torch.cuda.memory_reserved()
-    free_before = torch.cuda.mem_get_info()[0]
     assert cache.num_chunks == 4
     keys = torch.randn(32, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+    grown = torch.cuda.memory_reserved()
+    free_before = torch.cuda.mem_get_info()[0]
     slots = [cache.allocator.slot(3, p) for p in range(1024)]
     cache.write(keys, keys, slots)
     cache.free("long")
