@@ -61,6 +61,7 @@ class _SeqState:
     num_tokens: int = 0
     last_hash: int | None = None  # hash of the last full block: the head of the chain
     partial_tokens: list[int] = field(default_factory=list)  # tokens in the last, partial block
+    num_committed: int = 0  # leading blocks offered to the prefix cache (their K/V is written)
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -133,16 +134,20 @@ class BlockAllocator:
         return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     # ------------------------------------------------------------- allocation
-    def allocate(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
-        """Give a new sequence blocks for `token_ids`, reusing cached full blocks of its prefix."""
+    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
+        """Give a new sequence blocks for `token_ids`, reusing cached full blocks of its prefix.
+
+        `max_cached_tokens` caps the reuse (an engine must still compute a prompt's last token).
+        """
         if seq_id in self._seqs:
             raise ValueError(f"seq_id={seq_id!r} is already allocated; free it or use append()")
         token_ids = list(token_ids)
         bs = self.block_size
         hits: list[int] = []
         prev_hash: int | None = None
+        limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
         if self.enable_prefix_caching:
-            for start in range(0, len(token_ids) - bs + 1, bs):
+            for start in range(0, limit - bs + 1, bs):
                 block_tokens = tuple(token_ids[start : start + bs])
                 h = chain_hash(prev_hash, block_tokens)
                 block_id = self._hash_to_block.get(h)
@@ -159,7 +164,8 @@ class BlockAllocator:
             self._evictable.pop(block_id, None)
             self.blocks[block_id].ref_count += 1
         num_cached = len(hits) * bs
-        state = _SeqState(block_ids=list(hits), num_tokens=num_cached, last_hash=prev_hash)
+        state = _SeqState(block_ids=list(hits), num_tokens=num_cached, last_hash=prev_hash,
+                          num_committed=len(hits))
         self._seqs[seq_id] = state
         slots = self._extend(state, token_ids[num_cached:])
         return Allocation(slots=slots, copies=[], num_cached_tokens=num_cached)
@@ -191,6 +197,18 @@ class BlockAllocator:
             copies.append((old, new))
         return Allocation(slots=self._extend(state, token_ids), copies=copies)
 
+    def commit(self, seq_id, num_computed_tokens: int) -> None:
+        """The sequence's first `num_computed_tokens` tokens now have their K/V written: offer its
+        full blocks among them to the prefix cache. Until then no other sequence can hit them,
+        so a hit never returns a block whose data is still to be computed."""
+        state = self._state(seq_id)
+        full = min(num_computed_tokens, state.num_tokens) // self.block_size
+        for index in range(state.num_committed, full):
+            block = self.blocks[state.block_ids[index]]
+            if self.enable_prefix_caching and block.hash is not None:
+                self._hash_to_block.setdefault(block.hash, block.block_id)
+        state.num_committed = max(state.num_committed, full)
+
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (ref counts go up, nothing is copied)."""
         parent = self._state(parent_id)
@@ -203,6 +221,7 @@ class BlockAllocator:
             num_tokens=parent.num_tokens,
             last_hash=parent.last_hash,
             partial_tokens=list(parent.partial_tokens),
+            num_committed=parent.num_committed,
         )
 
     def free(self, seq_id) -> None:
@@ -350,13 +369,11 @@ class BlockAllocator:
         return slots
 
     def _seal(self, state: _SeqState) -> None:
-        """The last block just filled up: hash it and offer it to later prompts."""
+        """The last block just filled up: hash it (commit() later offers it to other prompts)."""
         tokens = tuple(state.partial_tokens)
         state.partial_tokens = []
         h = chain_hash(state.last_hash, tokens)
         state.last_hash = h
-        if not self.enable_prefix_caching:
-            return
-        block = self.blocks[state.block_ids[-1]]
-        block.hash, block.token_ids = h, tokens
-        self._hash_to_block.setdefault(h, block.block_id)
+        if self.enable_prefix_caching:
+            block = self.blocks[state.block_ids[-1]]
+            block.hash, block.token_ids = h, tokens

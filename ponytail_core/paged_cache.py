@@ -56,14 +56,16 @@ class PagedKVCache:
         self.max_chunks = config.max_num_blocks // chunk_blocks
         self.storage = PagedKVStorage(config, chunk_blocks)
         self.allocator = BlockAllocator(0, config.block_size)
+        self.num_defragmentations = 0  # compactions that moved at least one block
+        self.num_chunks_released = 0
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
-    def allocate(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
+    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
         """Blocks for a new sequence's tokens; `num_cached_tokens` of them are already stored."""
-        result = self.allocator.allocate(seq_id, token_ids)
+        result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
         if isinstance(result, NoRoom) and self._grow_for(result):
-            result = self.allocator.allocate(seq_id, token_ids)
+            result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
         return result
 
     def append(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
@@ -74,6 +76,11 @@ class PagedKVCache:
         if result:
             cache_ops.copy_blocks(self.storage, result.copies)
         return result
+
+    def mark_computed(self, seq_id, num_tokens: int) -> None:
+        """K/V of the sequence's first `num_tokens` tokens are written: their full blocks may now
+        serve other prompts with the same prefix."""
+        self.allocator.commit(seq_id, num_tokens)
 
     def fork(self, parent_id, child_id) -> None:
         self.allocator.fork(parent_id, child_id)
@@ -101,6 +108,11 @@ class PagedKVCache:
         return len(self.storage.chunks)
 
     @property
+    def available_blocks(self) -> int:
+        """Blocks a request could get now: free, evictable, and what the budget still lets us grow."""
+        return self.allocator.num_free + (self.max_chunks - self.num_chunks) * self.storage.chunk_blocks
+
+    @property
     def fragmentation(self) -> float:
         return self.allocator.fragmentation
 
@@ -116,6 +128,7 @@ class PagedKVCache:
         """Move every block holding data into the lowest ids (fewest moves, one launch)."""
         moves = self.allocator.plan_compaction()
         cache_ops.copy_blocks(self.storage, list(moves.items()))
+        self.num_defragmentations += bool(moves)
         return DefragResult(blocks_moved=len(moves), bytes_moved=len(moves) * self.config.block_bytes)
 
     def shrink(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
@@ -137,6 +150,7 @@ class PagedKVCache:
             self.defragment()
         self.allocator.shrink(release * chunk_blocks)
         self.storage.release_chunks(release)
+        self.num_chunks_released += release
         return release
 
     def maintain(self) -> MaintenanceReport:

@@ -87,6 +87,7 @@ class CacheMachine(RuleBasedStateMachine):
             result = cache.allocate(seq_id, tokens)
             if result:
                 self.write(cache, tokens, result.num_cached_tokens, result.slots)
+                cache.mark_computed(seq_id, len(tokens))
             return bool(result), getattr(result, "slots", None)
 
         outcomes = self.each(run)
@@ -106,6 +107,7 @@ class CacheMachine(RuleBasedStateMachine):
             result = cache.append(seq, new)
             if result:
                 self.write(cache, full, start, result.slots)
+                cache.mark_computed(seq, len(full))
             return bool(result), getattr(result, "slots", None)
 
         outcomes = self.each(run)

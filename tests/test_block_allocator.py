@@ -100,16 +100,19 @@ def test_copy_on_write_counts_toward_room():
 def test_prefix_blocks_are_cached_reused_and_evicted_lru():
     alloc = BlockAllocator(4, block_size=4)
     alloc.allocate("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])  # blocks 0, 1 full; block 2 partial
+    alloc.commit("a", 9)
     alloc.free("a")
     assert alloc.num_evictable == 2 and alloc.num_free == 4
 
     hit = alloc.allocate("b", [1, 2, 3, 4, 5, 6, 7, 8, 10])
+    alloc.commit("b", 9)
     assert hit.num_cached_tokens == 8
     assert alloc.block_table("b") == [0, 1, 2]
     assert hit.slots == [8]
     assert refs(alloc) == [1, 1, 1, 0]
 
     partial = alloc.allocate("c", [1, 2, 3, 4, 0, 0, 0, 0])  # only the first block matches
+    alloc.commit("c", 8)
     assert partial.num_cached_tokens == 4
     assert alloc.block_table("c") == [0, 3]
     assert refs(alloc) == [2, 1, 1, 1]
@@ -127,6 +130,7 @@ def test_hash_collision_is_caught_by_token_check(monkeypatch):
     monkeypatch.setattr(block_allocator, "chain_hash", lambda prev, tokens: 42)
     alloc = BlockAllocator(4, block_size=2)
     alloc.allocate("a", [1, 2])
+    alloc.commit("a", 2)
     alloc.free("a")
     result = alloc.allocate("b", [3, 4])
     assert result.num_cached_tokens == 0
@@ -157,6 +161,7 @@ def test_compaction_remaps_prefix_hash_entries():
     alloc.allocate("a", [9, 9, 9])  # partial: not cached
     alloc.allocate("b", [1, 1, 1, 1])
     alloc.allocate("c", [2, 2, 2, 2])
+    alloc.commit("c", 4)
     alloc.free("a")  # block 0 free
     alloc.free("c")  # block 2 evictable
     assert alloc.plan_compaction() == {2: 0}
@@ -171,6 +176,7 @@ def test_grow_and_shrink_capacity():
     alloc.grow(4)
     assert alloc.num_blocks == 8 and alloc.num_free == 8
     alloc.allocate("a", [0] * 8)
+    alloc.commit("a", 8)
     alloc.free("a")  # two evictable blocks at ids 0, 1
     alloc.allocate("b", [1] * 20)  # ids 2..6
     with pytest.raises(ValueError, match="still in use; compact first"):
@@ -191,3 +197,16 @@ def test_bad_sequence_ids_are_clear_errors():
         alloc.fork("a", "a")
     with pytest.raises(KeyError, match="seq_id='zz' is not allocated"):
         alloc.free("zz")
+
+
+def test_blocks_are_offered_to_other_prompts_only_once_computed():
+    alloc = BlockAllocator(12, block_size=4)
+    alloc.allocate("a", list(range(12)))  # a prompt whose K/V is not computed yet
+    early = alloc.allocate("b", list(range(12)) + [99])
+    assert early.num_cached_tokens == 0  # nothing to reuse before it is written
+    alloc.commit("a", 6)  # chunked prefill: the first block is written
+    late = alloc.allocate("c", list(range(12)) + [99])
+    assert late.num_cached_tokens == 4 and alloc.block_table("c")[0] == alloc.block_table("a")[0]
+    alloc.free("a")  # blocks 1, 2 of "a" were never written: they must not stay cached
+    assert alloc.num_evictable == 0
+    assert alloc.invariants() == []

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ponytail import CacheConfig, ConfigError, NoRoom, PagedKVCache, create_cache
+from ponytail import CacheConfig, NoRoom, PagedKVCache
 
 
 def make_cache(max_blocks=12, chunk_blocks=4, threshold=0.1, prefix_caching=False) -> PagedKVCache:
@@ -20,6 +20,7 @@ def fill(cache, seq_id, n):
     assert result
     k = torch.randn(2, n, 2, 4)
     cache.write(k, -k, result.slots)
+    cache.mark_computed(seq_id, n)
     return k
 
 
@@ -106,22 +107,3 @@ def test_maintain_grows_when_low_defragments_over_threshold_and_releases_idle_ch
     report = cache.maintain()
     assert report.chunks_released == 1 and cache.num_chunks == 2
     assert cache.invariants() == []
-
-
-def test_create_cache_with_explicit_shape_and_from_a_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cache = create_cache(max_batch_size=8, max_seq_len=4096, num_layers=32, num_heads=32, head_dim=128,
-                         dtype="bfloat16", device="cpu", memory_budget="64MiB")
-    assert (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) == (32, 32, 128)
-    assert cache.config.dtype == torch.bfloat16
-
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=64))
-    cache = create_cache(model=model, max_batch_size=4, max_seq_len=256)
-    assert (cache.config.num_layers, cache.config.num_kv_heads, cache.config.head_dim) == (2, 3, 64)
-    assert cache.config.device == torch.device("cpu") and cache.config.dtype == torch.float32
-    with pytest.raises(ConfigError, match=r"num_heads=8 does not match the model .*num_attention_heads=9"):
-        create_cache(model=model, max_batch_size=4, max_seq_len=256, num_heads=8)
-    with pytest.raises(ConfigError, match=r"dtype=float16 does not match the model .*float32"):
-        create_cache(model=model, max_batch_size=4, max_seq_len=256, dtype="float16")
