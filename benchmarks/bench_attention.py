@@ -1,0 +1,210 @@
+"""Paged attention against torch SDPA on the same K/V laid out contiguously.
+
+    python benchmarks/bench_attention.py                 # H200-sized run (under ~45 GB of GPU memory)
+    python benchmarks/bench_attention.py --small         # quick run, also on the CPU
+    python benchmarks/bench_attention.py --json out.json --launch target_waves=4,decode_warps=2
+
+Decode: one query token per row; effective bandwidth = K+V bytes of the attended tokens / time,
+for Ponytail's paged kernel (blocks scattered over the pool) and for SDPA on [B, H, L, D] copies.
+Prefill: T new tokens per row after `context` cached ones; tokens/s of Ponytail's T > 1 path
+(gather + masked SDPA) and of SDPA with a bottom-right causal mask on contiguous K/V.
+Every Ponytail result is checked against SDPA's (relative error < 2e-2) before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from timing import median_ms, tbps
+
+from ponytail import CacheConfig, PagedKVCache
+from ponytail import paged_attention as pa
+
+MAX_REL_ERROR = 2e-2
+
+
+def make_paged(batch, kv_heads, head_dim, context, dtype, device, block_size=16, chunks=8, seed=0):
+    """A one-layer cache whose rows own `context` tokens each in randomly scattered blocks."""
+    per_row = -(-context // block_size)
+    total = batch * per_row
+    chunk_blocks = -(-total // chunks)
+    config = CacheConfig(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                         max_batch_size=1, max_seq_len=chunk_blocks * chunks * block_size,
+                         block_size=block_size, chunk_blocks=chunk_blocks, device=device)
+    cache = PagedKVCache(config, initial_chunks=chunks)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for chunk in cache.storage.chunks:
+        chunk.normal_(generator=gen)
+    order = torch.randperm(cache.storage.num_blocks, generator=gen, device=device)[:total]
+    tables = order.view(batch, per_row).int()
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    return cache, tables, seq_lens
+
+
+def contiguous_kv(cache, tables, seq_lens):
+    """The same K/V as [B, kv_heads, L, D] tensors: exact copies (the gather kernel on a GPU,
+    tested bit for bit against the fallback's; the fallback gather on the CPU)."""
+    gather = pa._gather_cupy if cache.storage.device.type == "cuda" else pa._gather_torch
+    return gather(cache.storage, 0, tables, seq_lens)
+
+
+def rel_error(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters, launch_sets) -> list[dict]:
+    """One result per launch set (overrides of paged_attention._LAUNCH) on the same data."""
+    cache, tables, seq_lens = make_paged(batch, kv_heads, head_dim, context, dtype, device)
+    k, v = contiguous_kv(cache, tables, seq_lens)
+    query = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    gqa = {"enable_gqa": True} if kv_heads != heads else {}
+    kv_bytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
+    name = f"decode B={batch} Hq={heads} Hkv={kv_heads} D={head_dim} ctx={context}"
+
+    def ours():
+        return pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(query, k, v, scale=scale, **gqa)
+
+    expected = sdpa()
+    sdpa_ms = median_ms(sdpa, iters=iters, reps=5, device=device)
+    results = []
+    for launch in launch_sets:
+        saved = dict(pa._LAUNCH)
+        pa._LAUNCH.update(launch)
+        try:
+            err = rel_error(ours(), expected)
+            if err > MAX_REL_ERROR:
+                raise SystemExit(f"{name} {launch}: relative error {err:.2e} vs SDPA")
+            ours_ms = median_ms(ours, iters=iters, reps=5, device=device)
+            plan = None
+            if device.type == "cuda":  # the launch layout used, for the table
+                p = pa.decode_plan(cache.storage, batch, heads, tables.shape[1])
+                plan = f"{p.kernel_name.rsplit('_', 1)[1]} w{pa._LAUNCH['decode_warps']} splits={p.splits}"
+        finally:
+            pa._LAUNCH.clear()
+            pa._LAUNCH.update(saved)
+        results.append({"case": name, "kind": "decode", "launch": launch, "plan": plan, "kv_bytes": kv_bytes,
+                        "rel_error": err, "ponytail_ms": ours_ms, "sdpa_ms": sdpa_ms,
+                        "ponytail_tbps": tbps(kv_bytes, ours_ms), "sdpa_tbps": tbps(kv_bytes, sdpa_ms),
+                        "ratio": sdpa_ms / ours_ms})
+        print(f"  {name} {plan}: {results[-1]['ponytail_tbps']:.2f} TB/s vs SDPA "
+              f"{results[-1]['sdpa_tbps']:.2f} TB/s ({results[-1]['ratio']:.2f})", flush=True)
+    del cache, k, v
+    return results
+
+
+def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device, iters) -> dict:
+    total = context + new
+    cache, tables, seq_lens = make_paged(batch, kv_heads, head_dim, total, dtype, device, seed=1)
+    k, v = contiguous_kv(cache, tables, seq_lens)
+    group = heads // kv_heads
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    query = torch.randn(batch, heads, new, head_dim, device=device, dtype=dtype)
+    scale = 1 / math.sqrt(head_dim)
+    if context == 0:
+        causal = {"is_causal": True}
+    else:
+        from torch.nn.attention.bias import causal_lower_right
+
+        causal = {"attn_mask": causal_lower_right(new, total)}
+
+    def ours():
+        return pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(query, k_rep, v_rep, scale=scale, **causal)
+
+    err = rel_error(ours(), sdpa())
+    if err > MAX_REL_ERROR:
+        raise SystemExit(f"prefill B={batch} T={new} ctx={context}: relative error {err:.2e} vs SDPA")
+    ours_ms = median_ms(ours, iters=iters, device=device)
+    sdpa_ms = median_ms(sdpa, iters=iters, device=device)
+    del cache, k, v, k_rep, v_rep
+    tokens = batch * new
+    return {"case": f"prefill B={batch} Hq={heads} Hkv={kv_heads} D={head_dim} T={new} ctx={context}",
+            "kind": "prefill", "rel_error": err, "ponytail_ms": ours_ms, "sdpa_ms": sdpa_ms,
+            "ponytail_tok_s": tokens / (ours_ms * 1e-3), "sdpa_tok_s": tokens / (sdpa_ms * 1e-3),
+            "ratio": sdpa_ms / ours_ms}
+
+
+def parse_launch(text: str) -> dict:
+    """"key=value,key=value" -> overrides of paged_attention._LAUNCH."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in pa._LAUNCH:
+            raise SystemExit(f"--launch {item}: unknown key; known: {', '.join(pa._LAUNCH)}")
+        out[key] = int(value)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="small sizes (CPU or quick GPU check)")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--launch", action="append", default=[], metavar="K=V,K=V",
+                        help="time decode again with these paged_attention._LAUNCH overrides "
+                             "(repeatable: one set each; the defaults always run first)")
+    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--decode-only", action="store_true")
+    args = parser.parse_args()
+    launch_sets = [{}] + [parse_launch(text) for text in args.launch]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.small:
+        print("no CUDA device: run with --small for a CPU sanity run", file=sys.stderr)
+        return 2
+    dtype = torch.bfloat16
+    if args.small:
+        decode = [(2, 4, 4, 64, 256), (2, 4, 2, 64, 300)]
+        prefill = [(2, 4, 2, 64, 0, 16), (2, 4, 2, 64, 32, 16)]
+        iters = 3
+    else:
+        decode = [(64, 32, kv, 128, ctx) for ctx in (1024, 4096, 16384) for kv in (32, 8)]
+        decode += [(4, 32, kv, 128, 32768) for kv in (32, 8)]
+        prefill = [(4, 32, 8, 128, ctx, new) for new in (512, 2048) for ctx in (0, 4096)]
+        iters = args.iters
+    results = []
+    for b, h, kv, d, ctx in decode:
+        if args.only in f"decode B={b} Hq={h} Hkv={kv} D={d} ctx={ctx}":
+            results += bench_decode(b, h, kv, d, ctx, dtype, device, iters, launch_sets)
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+    if not args.decode_only:
+        for b, h, kv, d, ctx, new in prefill:
+            if args.only in f"prefill B={b} Hq={h} Hkv={kv} D={d} T={new} ctx={ctx}":
+                results.append(bench_prefill(b, h, kv, d, ctx, new, dtype, device, iters))
+                torch.cuda.empty_cache() if device.type == "cuda" else None
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "kernels": os.environ.get("PONYTAIL_KERNELS", "auto"),
+           "launch": dict(pa._LAUNCH)}
+    print(f"\n{env}")
+    print(f"{'decode case':44s} {'launch':26s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'rel err':>8s}")
+    for r in results:
+        if r["kind"] == "decode":
+            print(f"{r['case']:44s} {r['plan'] or '':26s} {r['ponytail_tbps']:7.2f}TB/s "
+                  f"{r['sdpa_tbps']:7.2f}TB/s {r['ratio']:6.2f} {r['rel_error']:8.1e}")
+    print(f"{'prefill case':71s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'rel err':>8s}")
+    for r in results:
+        if r["kind"] == "prefill":
+            print(f"{r['case']:71s} {r['ponytail_tok_s'] / 1e3:7.0f}k/s {r['sdpa_tok_s'] / 1e3:7.0f}k/s "
+                  f"{r['ratio']:6.2f} {r['rel_error']:8.1e}")
+    print("decode bandwidth = K+V bytes attended / time; ratio = ponytail / SDPA speed (SDPA time / ours); "
+          "decode timed 5 calls back to back")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

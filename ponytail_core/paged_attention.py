@@ -1,0 +1,364 @@
+"""Attention of new query tokens over a layer's paged K/V: decode kernel, prefill, fp32 fallback.
+
+`paged_attention` runs one of three paths with the same semantics:
+  * one query position per row (decode) on CUDA: the custom split-KV kernel;
+  * several positions per row (prefill chunks, prefix reuse) on CUDA: one gather launch copies the
+    rows' K/V into contiguous buffers, then torch's SDPA runs with a causal + padding mask;
+  * the torch fallback (CPU, PONYTAIL_KERNELS=torch, a head size without a kernel): the same
+    gather with tensor indexing, then attention in fp32 with an explicit softmax.
+
+Semantics. The cache already holds every row's K/V including the new tokens. Row b has
+seq_lens[b] tokens; its real new tokens are the last query_lens[b] of the T query positions
+(None: all T). Query position j (real when j >= T - query_lens[b]) sits at cache position
+seq_lens[b] - T + j and attends positions 0 .. that one. Padding positions, rows with
+seq_lens[b] == 0 and positions that would sit before position 0 produce zeros.
+
+Lengths and block ids are checked against the cache when they are CPU tensors; on CUDA that
+would cost a host sync per call, so there the kernels clamp instead (never reading outside the
+pool or the table) and bad values give wrong numbers, not a crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from . import kernel_loader
+from .cache_ops import _vector_width
+from .errors import KernelError
+from .paged_storage import PagedKVStorage
+
+_SOURCE = "paged_attention.cu"
+_DECODE_HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in paged_attention.cu
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_LOG2E = 1.4426950408889634
+
+# Launch tunables, read by the launches below and nowhere else.
+_LAUNCH = {
+    "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
+    # Compiled into the kernel names (..._l4s4v1); the .cu instantiates l4s4 with v1 for every
+    # group and v2 for groups 2 and 4, plus a few tuning variants for bf16 / head_dim 128.
+    "decode_loads": 4,  # 16-byte K (and V) vectors per lane per step
+    "decode_stages": 4,  # steps in each warp's shared-memory ring; stages - 1 in flight
+    "decode_row_vectors_g1": 1,  # 16-byte vectors of a K/V row per lane, by query heads per CTA
+    "decode_row_vectors_g2": 2,
+    "decode_row_vectors_g4": 2,
+    "decode_row_vectors_g8": 1,
+    "max_heads_per_cta": 8,  # query heads sharing one KV head in one CTA: 1, 2, 4 or 8
+    "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
+    "target_waves": 8,  # split sequences until the grid fills every resident CTA slot this often
+    "min_split_tokens": 512,  # ... but never into pieces shorter than this
+    "gather_threads": 256,  # prefill gather: one CTA per (row, table entry)
+}
+
+
+# ------------------------------------------------------------------------------------ checks
+def _check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float) -> None:
+    c = storage.config
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < c.num_layers:
+        raise KernelError(f"layer={layer!r} is outside the cache's {c.num_layers} layers (0..{c.num_layers - 1})")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise KernelError(f"query must be [batch, query heads, positions, head_dim], got {shape}")
+    batch, heads, positions, head_dim = query.shape
+    if head_dim != c.head_dim:
+        raise KernelError(f"query head_dim {head_dim} does not match the cache's head_dim {c.head_dim}")
+    if heads == 0 or heads % c.num_kv_heads:
+        raise KernelError(f"query has {heads} heads, not a positive multiple of the cache's "
+                          f"{c.num_kv_heads} KV heads")
+    if positions == 0:
+        raise KernelError(f"query has 0 positions (shape {tuple(query.shape)}); need at least 1")
+    if query.dtype != c.dtype:
+        raise KernelError(f"query dtype {query.dtype} does not match the cache dtype {c.dtype}")
+    if query.device != storage.device:
+        raise KernelError(f"query is on {query.device}, the cache on {storage.device}")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
+        raise KernelError(f"scale={scale!r} is not a finite number")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        raise KernelError(f"block_tables must be [batch={batch}, max_blocks], got {tuple(block_tables.shape)}")
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise KernelError(f"block_tables rows must be contiguous (stride 1), got strides {block_tables.stride()}")
+    named = [("block_tables", block_tables), ("seq_lens", seq_lens)]
+    if query_lens is not None:
+        named.append(("query_lens", query_lens))
+    for name, t in named:
+        if t.dtype != torch.int32 or t.device != storage.device:
+            raise KernelError(f"{name} must be int32 on {storage.device}, got {t.dtype} on {t.device}")
+        if name != "block_tables" and tuple(t.shape) != (batch,):
+            raise KernelError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
+    if seq_lens.device.type == "cpu":  # values are free to read only on the host
+        _check_values(storage, block_tables, seq_lens, query_lens, positions)
+
+
+def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
+    block_size = storage.config.block_size
+    capacity = block_tables.shape[1] * block_size
+    for b, n in enumerate(seq_lens.tolist()):
+        if not 0 <= n <= capacity:
+            raise KernelError(f"seq_lens[{b}]={n} is outside 0..{capacity} (block_tables has "
+                              f"{block_tables.shape[1]} blocks of {block_size} tokens per row)")
+        real = positions if query_lens is None else int(query_lens[b])
+        if not 0 <= real <= positions:
+            raise KernelError(f"query_lens[{b}]={real} is outside 0..{positions} (query positions)")
+        if n > 0 and real > n:
+            raise KernelError(f"row {b} has {real} real query tokens but seq_lens[{b}]={n}: the cache "
+                              "must already hold every new token's K/V (write them first)")
+        ids = block_tables[b, : -(-n // block_size)]
+        bad = ids[(ids < 0) | (ids >= storage.num_blocks)]
+        if bad.numel():
+            raise KernelError(f"block_tables[{b}] holds block ids {bad[:8].tolist()} outside the pool's "
+                              f"{storage.num_blocks} blocks within its first {n} tokens")
+
+
+def _decode_choice(choice: kernel_loader.KernelChoice, head_dim: int) -> kernel_loader.KernelChoice:
+    if not choice.use_custom or head_dim in _DECODE_HEAD_DIMS:
+        return choice
+    reason = f"head_dim={head_dim} has no decode kernel (kernels: {', '.join(map(str, _DECODE_HEAD_DIMS))})"
+    if kernel_loader.kernel_mode() == "cupy":
+        raise KernelError(f"{kernel_loader.KERNELS_ENV}=cupy but {reason}")
+    return kernel_loader.KernelChoice(False, reason)
+
+
+# ------------------------------------------------------------------------------------ entry
+def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Attention of `query` [B, Hq, T, D] over layer `layer` of the cache; returns [B, Hq, T, D].
+
+    block_tables [B, max_blocks] int32 lists each row's block ids in order (entries past the
+    row's blocks are ignored); seq_lens [B] int32 counts the row's tokens in the cache, new ones
+    included; query_lens [B] int32 or None counts its real (right-aligned) query positions.
+    Query heads h use KV head h // (Hq // kv_heads). See the module docstring for the semantics.
+    """
+    _check_args(storage, layer, query, block_tables, seq_lens, query_lens, scale)
+    batch, _, positions, head_dim = query.shape
+    choice = kernel_loader.choose(storage.device)
+    op = "paged_attention decode" if positions == 1 else "paged_attention prefill"
+    if positions == 1:
+        choice = _decode_choice(choice, head_dim)
+    kernel_loader.log_choice(op, choice)
+    if batch == 0:
+        return torch.empty_like(query)
+    if not choice.use_custom:
+        return _attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+    if positions == 1:
+        return _decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+    return _prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+
+
+def _allowed_keys(seq_lens, query_lens, positions: int, num_keys: int):
+    """allowed [B, T, L]: query position j may attend cache position l; has_key [B, T]: any l."""
+    device = seq_lens.device
+    j = torch.arange(positions, device=device)[None, :]
+    pos = seq_lens.long()[:, None] - positions + j  # cache position of query position j
+    is_real = pos >= 0  # a position before the row's first token attends nothing
+    if query_lens is not None:
+        is_real = is_real & (j >= positions - query_lens.long()[:, None])
+    keys = torch.arange(num_keys, device=device)
+    allowed = is_real[:, :, None] & (keys[None, None, :] <= pos[:, :, None])
+    return allowed, is_real & (num_keys > 0)
+
+
+# --------------------------------------------------------------------------------- fallback
+def _gather_torch(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    """K and V of every row, [B, kv_heads, max_blocks * block_size, D], zero past seq_lens."""
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    bs = c.block_size
+    used = torch.arange(max_blocks, device=storage.device)[None, :] * bs < seq_lens.long()[:, None]
+    ids = torch.where(used, block_tables.long(), 0).clamp_(0, max(storage.num_blocks - 1, 0))
+    chunk_of, within = storage.locate(ids)
+    blocks = torch.zeros((batch, max_blocks, 2, bs, c.num_kv_heads, c.head_dim), dtype=c.dtype,
+                         device=storage.device)
+    for index, chunk in enumerate(storage.chunks):
+        sel = used & (chunk_of == index)
+        if bool(sel.any()):
+            blocks[sel] = chunk[layer][:, within[sel]].transpose(0, 1)  # [n, 2, bs, H, D]
+    kv = blocks.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, c.num_kv_heads, max_blocks * bs, c.head_dim)
+    live = torch.arange(max_blocks * bs, device=storage.device)[None, :] < seq_lens.long()[:, None]
+    kv = kv.masked_fill(~live[None, :, None, :, None], 0)  # the last block's tail may hold anything
+    return kv[0], kv[1]
+
+
+def _attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    batch, heads, positions, head_dim = query.shape
+    kv_heads = storage.config.num_kv_heads
+    k, v = _gather_torch(storage, layer, block_tables, seq_lens)
+    allowed, has_key = _allowed_keys(seq_lens, query_lens, positions, k.shape[2])
+    q = query.float().reshape(batch, kv_heads, heads // kv_heads, positions, head_dim)
+    scores = (q @ k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, T, L]
+    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
+    top = scores.amax(dim=-1, keepdim=True)
+    top = torch.where(has_key[:, None, None, :, None], top, torch.zeros_like(top))
+    p = torch.exp(scores - top)  # exactly 0 where masked
+    out = (p @ v.float()[:, :, None]) / p.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    return out.reshape(batch, heads, positions, head_dim).to(query.dtype)
+
+
+# ---------------------------------------------------------------------------------- prefill
+def _gather_cupy(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    shape = (batch, c.num_kv_heads, max_blocks * c.block_size, c.head_dim)
+    k = torch.empty(shape, dtype=c.dtype, device=storage.device)
+    v = torch.empty_like(k)
+    if max_blocks == 0:
+        return k, v
+    row_bytes = c.head_dim * c.dtype_size
+    width = _vector_width(row_bytes)
+    kernel = kernel_loader.get_kernel(_SOURCE, f"gather_kv_v{width}", storage.device)
+    with kernel_loader.on_torch_stream(storage.device):
+        kernel((max_blocks, batch), (_LAUNCH["gather_threads"],), (
+            np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
+            np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
+            np.uint64(seq_lens.data_ptr()), np.int32(c.num_kv_heads), np.int32(row_bytes // width),
+            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.num_blocks),
+            np.int32(layer)))
+    return k, v
+
+
+def _prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    batch, heads, positions, head_dim = query.shape
+    kv_heads = storage.config.num_kv_heads
+    group = heads // kv_heads
+    k, v = _gather_cupy(storage, layer, block_tables, seq_lens)
+    num_keys = k.shape[2]
+    allowed, has_key = _allowed_keys(seq_lens, query_lens, positions, num_keys)
+    if num_keys == 0:
+        return torch.zeros_like(query)
+    # A position with nothing to attend gets key 0 (zeroed below) so SDPA never sees an empty row.
+    allowed[:, :, 0] |= ~has_key
+    # GQA without copying K/V: the G query heads of a KV head become G * T rows of one head.
+    q = query.reshape(batch, kv_heads, group * positions, head_dim)
+    mask = allowed[:, None, None].expand(batch, 1, group, positions, num_keys)
+    mask = mask.reshape(batch, 1, group * positions, num_keys)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = out.reshape(batch, heads, positions, head_dim)
+    return out.masked_fill(~has_key[:, None, :, None], 0)
+
+
+# ----------------------------------------------------------------------------------- decode
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_smem(split_blocks: int, group: int, head_dim: int) -> int:
+    """Dynamic shared memory of one decode CTA; the layout is the kernel's."""
+    warps = _LAUNCH["decode_warps"]
+    table = (split_blocks * 8 + 15) // 16 * 16
+    rings = warps * _LAUNCH["decode_stages"] * 2 * _LAUNCH["decode_loads"] * 32 * 16
+    merge = warps * group * (2 + head_dim) * 4  # reuses the rings after the main loop
+    return table + max(rings, merge)
+
+
+_smem_allowed: dict[tuple[str, int], int] = {}
+
+
+def _allow_smem(kernel, name: str, device: torch.device, num_bytes: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit (48 KiB by default) to num_bytes."""
+    key = (name, device.index)
+    if _smem_allowed.get(key, 0) >= num_bytes:
+        return
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        kernel.max_dynamic_shared_size_bytes = num_bytes  # a CuPy RawKernel attribute
+    _smem_allowed[key] = num_bytes
+
+
+@functools.cache
+def _resident_ctas_per_sm(kernel, name: str, device_index: int, threads: int, smem: int) -> int:
+    """CTAs of this kernel one SM holds at once (the driver's occupancy calculator)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, threads, smem))
+
+
+def plan_splits(base_ctas: int, max_tokens: int, block_size: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, split_tokens) for a decode grid of base_ctas CTAs per split.
+
+    Split until the grid covers every resident CTA slot `target_waves` times (so the last,
+    partial wave costs little), but keep pieces >= min_split_tokens and small enough for the
+    shared-memory block table. split_tokens is a multiple of block_size.
+    """
+    if max_tokens == 0:
+        return 1, block_size
+    splits = max(1, -(-_LAUNCH["target_waves"] * resident_ctas // base_ctas))
+    splits = min(splits, max(1, max_tokens // _LAUNCH["min_split_tokens"]))
+    splits = max(splits, -(-max_tokens // (_LAUNCH["max_split_blocks"] * block_size)))
+    split_tokens = -(-max_tokens // splits)
+    split_tokens = -(-split_tokens // block_size) * block_size
+    return -(-max_tokens // split_tokens), split_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    kernel_name: str  # paged_decode_<dtype>_d<head_dim>_g<group>_l<loads>s<stages>v<row vectors>
+    group: int  # query heads per CTA (a power of two; heads past the GQA ratio idle)
+    groups: int  # CTAs per KV head along the grid's y axis
+    splits: int  # CTAs per row along the sequence (1: the kernel writes the output itself)
+    split_tokens: int  # tokens per split, a multiple of block_size
+    threads: int
+    smem_bytes: int  # dynamic shared memory of one CTA
+
+
+def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int) -> DecodePlan:
+    """How a decode launch is laid out for this cache, batch and block-table width."""
+    c = storage.config
+    group_size = heads // c.num_kv_heads
+    group = min(_LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
+    groups = -(-group_size // group)
+    name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{_LAUNCH['decode_loads']}"
+            f"s{_LAUNCH['decode_stages']}v{_LAUNCH[f'decode_row_vectors_g{group}']}")
+    kernel = kernel_loader.get_kernel(_SOURCE, name, storage.device)
+    threads = 32 * _LAUNCH["decode_warps"]
+    largest = _decode_smem(_LAUNCH["max_split_blocks"], group, c.head_dim)
+    _allow_smem(kernel, name, storage.device, largest)
+    resident = _sm_count(storage.device.index) * _resident_ctas_per_sm(
+        kernel, name, storage.device.index, threads, largest)
+    splits, split_tokens = plan_splits(batch * c.num_kv_heads * groups, max_blocks * c.block_size,
+                                       c.block_size, resident)
+    return DecodePlan(name, group, groups, splits, split_tokens, threads,
+                      _decode_smem(split_tokens // c.block_size, group, c.head_dim))
+
+
+def _decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    c = storage.config
+    batch, heads, _, head_dim = query.shape
+    device = storage.device
+    if head_dim > 1 and query.stride(-1) != 1:
+        query = query.contiguous()
+    plan = decode_plan(storage, batch, heads, block_tables.shape[1])
+    kernel = kernel_loader.get_kernel(_SOURCE, plan.kernel_name, device)
+    max_tokens = block_tables.shape[1] * c.block_size
+    out = torch.empty((batch, heads, 1, head_dim), dtype=c.dtype, device=device)
+    ws_acc = ws_ml = None
+    if plan.splits > 1:
+        ws_acc = torch.empty((batch, heads, plan.splits, head_dim), dtype=torch.float32, device=device)
+        ws_ml = torch.empty((batch, heads, plan.splits, 2), dtype=torch.float32, device=device)
+    ptr = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
+    lengths = (ptr(seq_lens), ptr(query_lens))
+    with kernel_loader.on_torch_stream(device):
+        kernel((plan.splits, c.num_kv_heads * plan.groups, batch), (plan.threads,), (
+            ptr(query), np.int64(query.stride(0)), np.int64(query.stride(1)), ptr(out),
+            ptr(ws_acc), ptr(ws_ml), storage.cupy_chunk_ptrs, ptr(block_tables),
+            np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
+            np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
+            np.int32(storage.chunk_blocks), np.int32(storage.num_blocks), np.int32(layer),
+            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E)),
+            shared_mem=plan.smem_bytes)
+        if plan.splits > 1:
+            reduce = kernel_loader.get_kernel(
+                _SOURCE, f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}", device)
+            reduce((heads, batch), (-(-head_dim // 32) * 32,), (
+                ptr(out), ptr(ws_acc), ptr(ws_ml), *lengths, np.int32(max_tokens),
+                np.int32(plan.split_tokens), np.int32(plan.splits)))
+    return out

@@ -1,0 +1,202 @@
+"""The CuPy decode kernel and the gather + SDPA prefill path against the fp32 fallback and an fp64
+reference (marked gpu: skipped without CUDA). Run with -s to see the errors of every case."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from ponytail import CacheConfig, PagedKVCache
+from ponytail import paged_attention as pa
+from cache_machine import kernels
+
+pytestmark = pytest.mark.gpu
+
+# ||out - ref|| / ||ref|| allowed per dtype.
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+LAYERS = 2
+
+
+def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=64, seed=0, table_pad=3):
+    """A cache of random K/V whose rows own randomly scattered blocks, and their tables."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    needed = sum(-(-n // block_size) for n in lengths)
+    chunks = -(-(needed + 1) // chunk_blocks)
+    config = CacheConfig(num_layers=LAYERS, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                         max_batch_size=1, max_seq_len=chunks * chunk_blocks * block_size,
+                         block_size=block_size, chunk_blocks=chunk_blocks, device="cuda")
+    cache = PagedKVCache(config, initial_chunks=chunks)
+    for chunk in cache.storage.chunks:
+        chunk.copy_(torch.randn(chunk.shape, generator=gen, device="cuda").to(dtype))
+    order = torch.randperm(cache.storage.num_blocks, generator=gen, device="cuda").int()
+    width = max(-(-n // block_size) for n in lengths) + table_pad
+    tables = torch.full((len(lengths), width), -1, dtype=torch.int32, device="cuda")
+    start = 0
+    for row, n in enumerate(lengths):
+        count = -(-n // block_size)
+        tables[row, :count] = order[start : start + count]
+        start += count
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    return cache.storage, tables, seq_lens
+
+
+def reference(storage, layer, query, tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    """fp64 attention, one row at a time, K/V read block by block from the chunks."""
+    rows, heads, positions, head_dim = query.shape
+    c = storage.config
+    group = heads // c.num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float64, device="cuda")
+    for b in range(rows):
+        n = int(seq_lens[b])
+        real = positions if query_lens is None else int(query_lens[b])
+        if n == 0 or real == 0:
+            continue
+        ids = tables[b, : -(-n // c.block_size)].long()
+        k = torch.stack([storage.chunks[i // storage.chunk_blocks][layer, 0, i % storage.chunk_blocks]
+                         for i in ids.tolist()]).flatten(0, 1)[:n]  # [n, Hkv, D]
+        v = torch.stack([storage.chunks[i // storage.chunk_blocks][layer, 1, i % storage.chunk_blocks]
+                         for i in ids.tolist()]).flatten(0, 1)[:n]
+        k = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, n, D]
+        v = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[b].double()  # [Hq, T, D]
+        scores = q @ k.transpose(1, 2) * scale  # [Hq, T, n]
+        j = torch.arange(positions, device="cuda")
+        pos = n - positions + j
+        allowed = (torch.arange(n, device="cuda")[None, :] <= pos[:, None]) & (j >= positions - real)[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[b] = weights @ v
+    return out
+
+
+def rel(out, ref) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_like(shape, dtype):
+    """Fill the allocator's next block of this size with NaN, so an unwritten element shows."""
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    ptr = t.data_ptr()
+    del t
+    return ptr
+
+
+def run_case(lengths, kv_heads, group, head_dim, dtype, positions=1, query_lens=None, block_size=16,
+             seed=0, layer=1, launch=None, compare_fallback=True):
+    storage, tables, seq_lens = make_batch(lengths, kv_heads, head_dim, dtype, block_size, seed=seed)
+    heads = kv_heads * group
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    query = torch.randn(len(lengths), heads, positions, head_dim, generator=gen, device="cuda").to(dtype)
+    if query_lens is not None:
+        query_lens = torch.tensor(query_lens, dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(head_dim)
+    old = dict(pa._LAUNCH)
+    pa._LAUNCH.update(launch or {})
+    try:
+        poisoned = poison_like(query.shape, dtype)
+        with kernels("cupy"):
+            out = pa.paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
+        torch.cuda.synchronize()
+    finally:
+        pa._LAUNCH.clear()
+        pa._LAUNCH.update(old)
+    ref = reference(storage, layer, query, tables, seq_lens, query_lens, scale)
+    err = rel(out, ref)
+    max_abs = (out.double() - ref).abs().max().item()
+    nans = int(torch.isnan(out).sum())
+    line = (f"\n  {dtype} D={head_dim} kv={kv_heads} G={group} T={positions} bs={block_size} lengths={lengths} "
+            f"out={tuple(out.shape)} rel={err:.2e} max_abs={max_abs:.2e} nan={nans} "
+            f"poison_landed={out.data_ptr() == poisoned}")
+    if compare_fallback:
+        with kernels("torch"):
+            fallback = pa.paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
+        line += f" vs_fallback={rel(out, fallback.double()):.2e} fallback_vs_ref={rel(fallback, ref):.2e}"
+    print(line, end="")
+    assert nans == 0, f"{nans} output elements never written:{line}"
+    assert err < TOLERANCE[dtype], line
+    empty = torch.tensor([n == 0 for n in lengths], device="cuda")
+    if query_lens is not None:
+        empty |= query_lens == 0
+    assert torch.all(out[empty] == 0), f"rows without tokens must be exactly zero:{line}"
+    return out
+
+
+LENGTHS = [0, 1, 15, 16, 17, 100, 1000, 3000]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decode_kernel_every_dtype_head_size_and_gqa_ratio(dtype, head_dim, group):
+    run_case(LENGTHS, kv_heads=2, group=group, head_dim=head_dim, dtype=dtype, seed=head_dim + group)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 8, 12])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_long_rows_split_kv(group, dtype):
+    run_case([32768, 20000, 5, 0, 4097], kv_heads=2, group=group, head_dim=128 if dtype != torch.float32 else 64,
+             dtype=dtype, seed=group, compare_fallback=group in (1, 4))
+
+
+@pytest.mark.parametrize("launch", [
+    {"target_waves": 0},  # as few splits as the table allows
+    {"target_waves": 1000, "min_split_tokens": 16},  # a split every 16 tokens
+    {"decode_warps": 1}, {"decode_warps": 8}, {"max_heads_per_cta": 2},
+])
+def test_decode_launch_variants(launch):
+    out = run_case([1, 700, 16, 2000, 0], kv_heads=4, group=4, head_dim=128, dtype=torch.bfloat16, launch=launch)
+    same = run_case([1, 700, 16, 2000, 0], kv_heads=4, group=4, head_dim=128, dtype=torch.bfloat16)
+    assert rel(out, same.double()) < 1e-2
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32, 128])
+def test_decode_block_sizes(block_size):
+    run_case([1, 33, 500, 1500], kv_heads=2, group=4, head_dim=128, dtype=torch.float16, block_size=block_size)
+
+
+def test_decode_padding_rows_via_query_lens():
+    run_case([10, 200, 0, 64], kv_heads=2, group=4, head_dim=64, dtype=torch.bfloat16, query_lens=[0, 1, 1, 0])
+
+
+@pytest.mark.parametrize("positions", [2, 64, 300])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_prefill_gather_and_sdpa(positions, group, dtype):
+    lengths = [positions, positions + 1000, positions + 17, 0, 2 * positions]
+    query_lens = [positions, positions, max(1, positions // 3), 0, positions - 1]
+    run_case(lengths, kv_heads=2, group=group, head_dim=128 if dtype != torch.float32 else 64, dtype=dtype,
+             positions=positions, query_lens=query_lens, seed=positions)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 256])
+def test_prefill_other_head_sizes(head_dim):
+    run_case([70, 300, 9], kv_heads=1, group=3, head_dim=head_dim, dtype=torch.bfloat16, positions=9)
+
+
+def test_gather_matches_the_fallback_gather_bit_for_bit():
+    storage, tables, seq_lens = make_batch([5, 300, 0, 64], kv_heads=4, head_dim=96, dtype=torch.float16)
+    k, v = pa._gather_cupy(storage, 1, tables, seq_lens)
+    k_ref, v_ref = pa._gather_torch(storage, 1, tables, seq_lens)
+    assert torch.equal(k.view(torch.int16), k_ref.view(torch.int16))
+    assert torch.equal(v.view(torch.int16), v_ref.view(torch.int16))
+
+
+def test_decode_uses_the_custom_kernel_and_logs_it(caplog):
+    storage, tables, seq_lens = make_batch([40], kv_heads=1, head_dim=128, dtype=torch.bfloat16)
+    query = torch.randn(1, 2, 1, 128, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    assert any("paged_attention decode: custom kernel" in r.getMessage() for r in caplog.records)
+
+
+def test_unsupported_head_size_falls_back_with_a_logged_reason(caplog):
+    storage, tables, seq_lens = make_batch([40, 3], kv_heads=1, head_dim=72, dtype=torch.bfloat16)
+    query = torch.randn(2, 2, 1, 72, device="cuda", dtype=torch.bfloat16)
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        out = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    ref = reference(storage, 0, query, tables, seq_lens, None, 0.1)
+    assert rel(out, ref) < TOLERANCE[torch.bfloat16]
+    assert any("head_dim=72 has no decode kernel" in r.getMessage() for r in caplog.records)
