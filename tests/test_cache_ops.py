@@ -5,14 +5,14 @@ import logging
 import pytest
 import torch
 
-from ponytail import ConfigError, KernelError, create_cache
+from ponytail import CacheConfig, ConfigError, KernelError, PagedKVCache
 from ponytail import cache_ops, kernel_loader
 
 
 @pytest.fixture
 def cache():
-    return create_cache(max_batch_size=2, max_seq_len=32, num_layers=2, num_heads=2, head_dim=4,
-                        dtype="float32", device="cpu", block_size=4)
+    return PagedKVCache(CacheConfig(max_batch_size=2, max_seq_len=32, num_layers=2, num_kv_heads=2, head_dim=4,
+                                    dtype="float32", device="cpu", block_size=4))
 
 
 def kv(layers=2, tokens=3, heads=2, dim=4, dtype=torch.float32):

@@ -1,0 +1,200 @@
+"""The transformers plug-in: model.generate with a Ponytail cache equals plain generate (CPU, fp32)."""
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+import ponytail
+from ponytail import ConfigError
+
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+MODELS = {
+    "llama": lambda: LlamaForCausalLM(LlamaConfig(**SMALL)),
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, sliding_window=None)),
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL)),
+    "qwen3": lambda: Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16)),
+    "llama-mha": lambda: LlamaForCausalLM(LlamaConfig(**{**SMALL, "num_key_value_heads": 4})),
+}
+
+
+def make_model(name, seed=0):
+    torch.manual_seed(seed)
+    model = MODELS[name]().eval()
+    # Random weights give nearly flat logits; sharpen them so greedy ties cannot flip tokens.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    return model
+
+
+def prompts(batch, seed=1, lengths=(9, 5, 13, 2)):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths[:batch])
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths[:batch]):
+        ids[row, width - n:] = torch.randint(1, 128, (n,), generator=gen)  # left padded
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+def generate(model, ids, mask, cache=None, new=12):
+    kwargs = dict(attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    if cache is not None:
+        kwargs["cache"] = cache
+    return model.generate(ids, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_generate_equals_plain_generate(name, batch):
+    model = make_model(name)
+    ids, mask = prompts(batch)
+    expected = generate(model, ids, mask)
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=64, block_size=4)
+    got = generate(model, ids, mask, cache)
+    assert torch.equal(got, expected), f"{name}: {got[:, ids.shape[1]:]} != {expected[:, ids.shape[1]:]}"
+    # Padding is never stored: each row holds its own prompt plus the tokens fed back so far.
+    lengths = [cache.paged.seq_len(r) for r in range(batch)]
+    assert lengths == [int(n) + got.shape[1] - ids.shape[1] - 1 for n in mask.sum(dim=1)]
+    assert cache.stats().used_blocks == sum(-(-n // 4) for n in lengths)
+    assert cache.paged.invariants() == []
+
+
+def test_logits_match_plain_forward_in_decode():
+    model = make_model("llama")
+    ids, mask = prompts(4)
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=64, block_size=4)
+    ours = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                          cache=cache, output_logits=True, return_dict_in_generate=True)
+    model.set_attn_implementation("sdpa")
+    plain = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                           output_logits=True, return_dict_in_generate=True)
+    for a, b in zip(ours.logits, plain.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_reset_allows_a_new_batch_and_returns_blocks():
+    model = make_model("llama")
+    expected = generate(model, *prompts(4))
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=64, block_size=4)
+    generate(model, *prompts(2), cache)
+    with pytest.raises(ConfigError, match="the cache holds 2 rows but this call has 4; call cache.reset()"):
+        generate(model, *prompts(4), cache)
+    cache.reset()
+    assert cache.stats().used_blocks == 0
+    assert torch.equal(generate(model, *prompts(4), cache), expected)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("num_layers", 2, "num_layers=2 does not match the model"),
+    ("num_kv_heads", 4, "num_kv_heads=4 does not match the model"),
+    ("head_dim", 32, "head_dim=32 does not match the model"),
+    ("dtype", "bfloat16", "dtype=bfloat16 does not match the model"),
+    ("num_heads", 8, "num_heads=8 does not match the model"),
+])
+def test_create_cache_refuses_values_that_disagree_with_the_model(field, value, message):
+    model = make_model("llama")
+    with pytest.raises(ConfigError, match=message):
+        ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64, **{field: value})
+
+
+@pytest.mark.parametrize("other, message", [
+    (dict(num_layers=2), "this cache was built with num_layers=2, but the model has num_layers=3"),
+    (dict(num_kv_heads=4), "this cache was built with num_kv_heads=4, but the model has num_kv_heads=2"),
+    (dict(head_dim=8), "this cache was built with head_dim=8, but the model has head_dim=16"),
+    (dict(dtype="bfloat16"), "this cache was built with dtype=torch.bfloat16, but the model computes K/V in torch.float32"),
+])
+def test_a_cache_for_another_model_fails_before_any_token(other, message):
+    model = make_model("llama")
+    shape = dict(num_layers=3, num_kv_heads=2, head_dim=16, dtype="float32")
+    cache = ponytail.create_cache(max_batch_size=2, max_seq_len=64, device="cpu", **{**shape, **other})
+    model.set_attn_implementation("ponytail")
+    ids, mask = prompts(2)
+    with pytest.raises(ConfigError, match=message):
+        generate(model, ids, mask, cache)
+    assert cache.stats().used_blocks == 0  # refused before anything was allocated
+
+
+def test_a_model_not_using_ponytail_attention_is_refused():
+    model = make_model("llama")
+    cache = ponytail.create_cache(max_batch_size=2, max_seq_len=64, num_layers=3, num_kv_heads=2, head_dim=16,
+                                  dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="needs attn_implementation='ponytail'"):
+        generate(model, *prompts(2), cache)
+
+
+def test_ponytail_attention_without_a_ponytail_cache_is_refused():
+    model = make_model("llama")
+    model.set_attn_implementation("ponytail")
+    with pytest.raises(ConfigError, match="attn_implementation='ponytail' needs a Ponytail cache"):
+        generate(model, *prompts(2))
+
+
+def test_limits_are_clear_errors():
+    model = make_model("llama")
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=16, block_size=4)
+    with pytest.raises(ConfigError, match="batch of 4 rows exceeds the cache's max_batch_size=2"):
+        generate(model, *prompts(4), cache)
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=16, block_size=4)
+    with pytest.raises(ConfigError, match=r"exceed the cache's max_seq_len=16"):
+        generate(model, *prompts(2), cache, new=20)
+
+
+def test_create_cache_shapes():
+    cache = ponytail.create_cache(max_batch_size=8, max_seq_len=4096, num_layers=32, num_heads=32, head_dim=128,
+                                  dtype="bfloat16", device="cpu", memory_budget="64MiB")
+    c = cache.config
+    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.dtype) == (32, 32, 128, torch.bfloat16)
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=64))
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=256)
+    c = cache.config
+    assert (c.num_layers, c.num_kv_heads, c.head_dim, c.device) == (2, 3, 64, torch.device("cpu"))
+    assert model.config._attn_implementation == "ponytail"
+    with pytest.raises(ConfigError, match=r"num_heads=8 does not match the model .*num_attention_heads=9"):
+        ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=256, num_heads=8)
+    with pytest.raises(ConfigError, match=r"dtype=float16 does not match the model .*float32"):
+        ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=256, dtype="float16")
+
+
+def test_a_failed_call_leaves_the_cache_usable():
+    model = make_model("llama")
+    expected = generate(model, *prompts(2))
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64, block_size=4)
+    with pytest.raises(ConfigError, match="max_batch_size=2"):
+        generate(model, *prompts(4), cache)
+    assert torch.equal(generate(model, *prompts(2), cache), expected)
+
+
+def test_sliding_window_models_are_refused_beyond_the_window():
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=32)).eval()
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64)
+    with pytest.raises(ConfigError, match=r"sliding-window attention \(window 32\).*max_seq_len=64 must be <= 32"):
+        generate(model, *prompts(2), cache)
+    assert cache.stats().used_blocks == 0
+
+
+@pytest.mark.network
+def test_default_model_greedy_equals_plain_generate_single_and_left_padded(default_model):
+    model, tokenizer = default_model
+    questions = ["What is the capital of France?", "Name three colors.", "Hi"]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False) for q in questions]
+    single = tokenizer(chats[:1], return_tensors="pt")
+    batch = tokenizer(chats, return_tensors="pt", padding=True)  # left padded
+    assert (batch["attention_mask"] == 0).any()
+    settings = dict(max_new_tokens=16, do_sample=False)
+    original = model.config._attn_implementation
+    try:
+        expected = [model.generate(**single, **settings), model.generate(**batch, **settings)]
+        for inputs, want in zip((single, batch), expected):
+            cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=256)
+            got = model.generate(**inputs, cache=cache, **settings)
+            assert torch.equal(got, want), tokenizer.batch_decode(got[:, inputs["input_ids"].shape[1]:])
+        answer = tokenizer.decode(got[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+        assert "Paris" in answer
+    finally:
+        model.set_attn_implementation(original)
