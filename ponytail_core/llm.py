@@ -1,0 +1,107 @@
+"""`ponytail.LLM`: offline batched generation with the vLLM-style API users already know."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .config import CacheConfig
+from .errors import ConfigError
+from .llm_engine import EngineStats, LLMEngine
+from .model_loader import load_model
+from .request import RequestOutput
+from .sampling_params import SamplingParams
+from .units import format_bytes, parse_bytes
+
+logger = logging.getLogger("ponytail.engine")
+
+CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
+GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the model
+POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
+
+
+class LLM:
+    """A model, a paged KV cache and a continuous-batching engine.
+
+    llm = ponytail.LLM()                                   # the embedded SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], ponytail.SamplingParams(max_tokens=32))
+    """
+
+    def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
+                 kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
+                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True):
+        if model is None or isinstance(model, str):
+            model, tokenizer = load_model(model, device=device, dtype=dtype)
+        # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
+        device = next(model.parameters()).device
+        text_config = model.config.get_text_config()
+        if max_model_len is None:
+            max_model_len = int(getattr(text_config, "max_position_embeddings", 2048))
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs)
+        if max_num_batched_tokens < max_num_seqs:
+            raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
+                              f"{max_num_seqs} so every running sequence can decode each step")
+        memory = self._kv_memory(kv_cache_memory, device)
+        blocks = memory // CacheConfig.from_model(model, max_batch_size=1, max_seq_len=block_size,
+                                                  block_size=block_size, device=device).block_bytes
+        config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
+                                        block_size=block_size, memory_budget=memory, device=device,
+                                        chunk_blocks=max(1, -(-blocks // POOL_CHUNKS)))
+        self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
+        logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
+                    config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @staticmethod
+    def _kv_memory(kv_cache_memory, device: torch.device) -> int:
+        if kv_cache_memory is not None:
+            return parse_bytes(kv_cache_memory, "kv_cache_memory")
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * GPU_FREE_SHARE)
+        return CPU_DEFAULT_KV_MEMORY
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.engine
+        requests = [engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(requests), desc="generate", unit="req")
+        try:
+            while engine.has_unfinished():
+                done = sum(o.finished for o in engine.step())
+                if progress is not None and done:
+                    progress.update(done)
+        except BaseException:
+            for request in requests:  # never leak blocks, whatever interrupted us
+                engine.abort(request.request_id)
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
+        outputs = [engine.output(r) for r in requests]
+        for request in requests:
+            engine.forget(request.request_id)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+

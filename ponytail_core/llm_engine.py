@@ -1,0 +1,221 @@
+"""The continuous-batching engine: schedule, run the model once, sample, detokenize, repeat."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .config import CacheConfig
+from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from .errors import ConfigError
+from .model_runner import ModelRunner
+from .paged_cache import PagedKVCache
+from .request import CompletionOutput, Request, RequestOutput
+from .sampler import SamplingBatch, request_generator, sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+
+logger = logging.getLogger("ponytail.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    total_blocks: int  # blocks the pool holds now
+    free_blocks: int  # allocatable now, evictable prefix blocks included
+    used_blocks: int  # held by live requests
+    num_running: int
+    num_waiting: int
+    fragmentation: float
+    num_preemptions: int
+    num_defragmentations: int  # pool compactions that moved blocks
+    prefix_cache_queries: int  # prompt tokens admitted
+    prefix_cache_hits: int  # of those, served from cached blocks
+    allocated_bytes: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step did to one request: the text and tokens it added."""
+
+    request: Request
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+
+
+class LLMEngine:
+    MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
+
+    def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = PagedKVCache(cache_config)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.runner = ModelRunner(model, self.cache)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a ponytail.SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
+                              "use stop_token_ids")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ConfigError(f"request_id={request_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt)
+        request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                          prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.add(request)  # refuses what can never fit
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, params)
+                                          if self.tokenizer is not None else NoTextDetokenizer())
+        self._generators[request_id] = request_generator(params, self.cache.config.device)
+        return request
+
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this engine has no tokenizer (tokenizer=None): give prompts as token ids")
+            if not prompt:
+                raise ConfigError("prompt='' is empty; give at least one token")
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks go back to the pool. False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        request.finish("abort")
+        self._release(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled.chunks:
+            return []
+        for chunk in scheduled.chunks:
+            if chunk.request.metrics.first_scheduled_time is None:
+                chunk.request.metrics.first_scheduled_time = time.monotonic()
+                self._prefix_queries += len(chunk.request.prompt_token_ids)
+                self._prefix_hits += chunk.request.metrics.num_cached_prompt_tokens
+        logits = self.runner.execute(scheduled.chunks)
+        sampling = [chunk.request for chunk in scheduled.chunks if chunk.samples]
+        for chunk in scheduled.chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+            self.cache.mark_computed(chunk.request.request_id, chunk.request.num_computed_tokens)
+        outputs = self._sample(sampling, logits) if sampling else []
+        self._steps += 1
+        if self._steps % self.MAINTAIN_EVERY == 0:
+            self.cache.maintain()
+        return outputs
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:
+        batch = SamplingBatch.build([r.params for r in requests], [r.output_token_ids for r in requests],
+                                    [r.prompt_token_ids for r in requests],
+                                    [self._generators[r.request_id] for r in requests], logits.device,
+                                    eos_token_id=sorted(self.eos_token_ids) or None)
+        result = sample(logits, batch)
+        tokens = result.token_ids.tolist()  # the step's one host sync
+        bad = result.bad_rows.tolist()
+        chosen_logprobs = result.logprobs.tolist() if any(r.params.logprobs is not None for r in requests) else None
+        now = time.monotonic()
+        outputs = []
+        for row, (request, token) in enumerate(zip(requests, tokens)):
+            if bad[row]:
+                request.error = "the model produced NaN or inf logits; the request was stopped"
+                request.finish("error")
+                logger.error("request %s: %s", request.request_id, request.error)
+                outputs.append(StepOutput(request, [], "", True))
+                self._release(request)
+                continue
+            request.output_token_ids.append(token)
+            if chosen_logprobs is not None and request.params.logprobs is not None:
+                request.logprobs = request.logprobs or []
+                request.logprobs.append(self._logprob_entry(result, row, token, chosen_logprobs[row],
+                                                            request.params.logprobs))
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            request.check_stop_token()
+            detok = self._detokenizers[request.request_id]
+            hide = (request.finished and request.finish_reason == "stop"
+                    and not request.params.include_stop_str_in_output)
+            delta = detok.step([] if hide else [token])  # EOS / stop token: no text, as in vLLM
+            if detok.finished_by_stop is not None and not request.finished:
+                request.finish("stop", detok.finished_by_stop)
+            if request.finished:
+                delta += detok.flush()
+                self._release(request)
+            outputs.append(StepOutput(request, [token], delta, request.finished))
+        return outputs
+
+    @staticmethod
+    def _logprob_entry(result, row: int, token: int, chosen: float, top: int) -> dict[int, float]:
+        """{token id: logprob} for the chosen token and the row's `top` most likely ones."""
+        entry = {token: chosen}
+        if result.top_logprobs is not None and top:
+            values, indices = result.top_logprobs
+            for value, index in zip(values[row, :top].tolist(), indices[row, :top].tolist()):
+                entry.setdefault(index, value)
+        return entry
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self._generators.pop(request.request_id, None)
+
+    # ------------------------------------------------------------- results
+    def output(self, request: Request) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        completion = CompletionOutput(index=0, text=detok.text, token_ids=list(request.output_token_ids),
+                                      finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                                      logprobs=request.logprobs)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+                             finished=request.finished, metrics=request.metrics, error=request.error)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's bookkeeping once its output was delivered."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        s = self.cache.stats()
+        return EngineStats(total_blocks=s.total_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
+                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
+                           num_defragmentations=self.cache.num_defragmentations,
+                           prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+                           allocated_bytes=s.allocated_bytes)

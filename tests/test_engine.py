@@ -1,0 +1,188 @@
+"""The continuous-batching engine on the CPU: equality with plain generate, preemption,
+defragmentation, prefix reuse, aborts, seeds and refused input."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import ponytail
+from ponytail import ConfigError, SamplingParams
+
+pytestmark = pytest.mark.network  # the default model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_model(default_model):
+    """A random 2-layer Llama sharing the default model's tokenizer (fast, sharp logits)."""
+    _, tokenizer = default_model
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # no greedy near-ties on random weights
+    return model, tokenizer
+
+
+def plain_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("sdpa")
+    try:
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    finally:
+        model.set_attn_implementation(previous)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def random_prompts(n, seed=0, low=3, high=60, vocab=49152, shared_prefix=()):
+    rng = random.Random(seed)
+    return [list(shared_prefix) + [rng.randrange(10, vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
+
+
+def make_llm(small_model, **kwargs):
+    model, tokenizer = small_model
+    settings = dict(kv_cache_memory="4MiB", block_size=4, max_num_seqs=8, max_model_len=256)
+    return ponytail.LLM(model, tokenizer=tokenizer, **{**settings, **kwargs})
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def test_greedy_batch_of_mixed_lengths_equals_plain_generate(small_model):
+    llm = make_llm(small_model)
+    prompts = random_prompts(10)
+    outputs = llm.generate(prompts, GREEDY)
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == plain_greedy(small_model[0], prompt, 12)
+        assert output.finish_reason == "length"
+    stats = llm.stats()
+    assert stats.used_blocks == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert llm.engine.cache.invariants() == []
+
+
+def test_a_small_budget_forces_preemption_and_defragmentation_without_changing_outputs(small_model):
+    # 64 blocks of 4 tokens; 8 sequences growing to ~70 tokens each need ~140: preemption is certain.
+    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64)
+    llm.engine.cache.config.defrag_threshold = 0.05
+    prompts = random_prompts(8, seed=1, low=20, high=40)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    stats = llm.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_defragmentations > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output.token_ids == plain_greedy(small_model[0], prompt, 40)
+    assert stats.used_blocks == 0 and llm.engine.cache.invariants() == []
+
+
+def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_model):
+    llm = make_llm(small_model, max_num_seqs=16)
+    engine = llm.engine
+    rng = random.Random(3)
+    prompts = random_prompts(300, seed=3, low=1, high=30)
+    requests = [engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.8, seed=i))
+                for i, p in enumerate(prompts)]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        for request in rng.sample(requests, 3):
+            if rng.random() < 0.2:
+                engine.abort(request.request_id)
+        assert engine.cache.invariants() == [] if steps % 25 == 0 else True
+    assert all(r.finished for r in requests)
+    assert {r.finish_reason for r in requests} <= {"length", "stop", "abort"}
+    assert any(r.finish_reason == "abort" for r in requests)
+    assert engine.stats().used_blocks == 0
+    assert engine.cache.invariants() == []
+
+
+def test_prefix_reuse_hits_and_keeps_outputs(small_model):
+    llm = make_llm(small_model)
+    prefix = random_prompts(1, seed=5, low=32, high=32)[0]
+    prompts = random_prompts(6, seed=6, low=2, high=9, shared_prefix=prefix)
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    stats = llm.stats()
+    assert stats.prefix_cache_hits >= 5 * 32 - 4  # every later prompt reuses the cached prefix blocks
+    assert 0 < stats.prefix_hit_rate < 1
+    for prompt, output in zip(prompts, first + rest):
+        assert output.token_ids == plain_greedy(small_model[0], prompt, 12)
+    assert rest[0].metrics.num_cached_prompt_tokens == 32
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(small_model):
+    llm = make_llm(small_model)
+    prompts = random_prompts(4, seed=7)
+    seeded = SamplingParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=1234, ignore_eos=True)
+    alone = llm.generate(prompts[:1], seeded)[0].token_ids
+    mixed = llm.generate(prompts, [seeded] + [SamplingParams(max_tokens=10, temperature=1.0)] * 3)[0].token_ids
+    assert alone == mixed
+
+
+def test_stop_strings_stop_tokens_and_max_tokens(small_model):
+    llm = make_llm(small_model)
+    prompt = random_prompts(1, seed=8)[0]
+    full = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    stop_token = full.token_ids[3]
+    by_token = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                      stop_token_ids=[stop_token]))[0]
+    assert by_token.finish_reason == "stop" and by_token.outputs[0].stop_reason == stop_token
+    assert by_token.token_ids == full.token_ids[: full.token_ids.index(stop_token) + 1]
+    stop_text = full.text[len(full.text) // 2:][:3]
+    if stop_text.strip():
+        by_string = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                           stop=[stop_text]))[0]
+        assert by_string.finish_reason == "stop" and stop_text not in by_string.text
+        assert full.text.startswith(by_string.text)
+
+
+@pytest.mark.parametrize("prompt, params, message", [
+    ("", None, "prompt='' is empty"),
+    ([], None, "prompt must be a non-empty string or list of token ids"),
+    ([1, 99999999], None, r"prompt token ids \[99999999\] are outside the vocabulary \[0, 49152\)"),
+    ([1] * 250, SamplingParams(max_tokens=10), r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds max_model_len=256"),
+    ([1, 2], {"max_tokens": 3}, "params must be a ponytail.SamplingParams, got dict"),
+])
+def test_invalid_requests_are_refused_with_a_clear_message(small_model, prompt, params, message):
+    llm = make_llm(small_model)
+    with pytest.raises(ConfigError, match=message):
+        llm.engine.add_request(prompt, params)
+    assert not llm.engine.has_unfinished()
+
+
+def test_a_request_larger_than_the_whole_cache_is_refused_at_once(small_model):
+    llm = make_llm(small_model, kv_cache_memory=8 * 4 * 2 * 2 * 2 * 16 * 4)  # 8 blocks of 4 tokens
+    with pytest.raises(ConfigError, match=r"needs 13 KV blocks, but the whole cache holds 8"):
+        llm.engine.add_request([5] * 40, SamplingParams(max_tokens=10))
+
+
+def test_async_engine_streams_deltas_and_aborts(small_model):
+    llm = make_llm(small_model)
+    engine = ponytail.AsyncLLM(llm)
+    prompts = random_prompts(3, seed=9)
+
+    async def collect(prompt, params, stop_after=None):
+        deltas = []
+        async for delta in engine.generate(prompt, params):
+            deltas.append(delta)
+            if stop_after is not None and len(deltas) == stop_after:
+                break
+        return deltas
+
+    async def main():
+        return await asyncio.gather(collect(prompts[0], GREEDY), collect(prompts[1], GREEDY, stop_after=2),
+                                    collect(prompts[2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
+
+    full, cut, short = asyncio.run(main())
+    assert full[-1].finished and full[-1].output.token_ids == plain_greedy(small_model[0], prompts[0], 12)
+    assert sum(len(d.new_token_ids) for d in full) == 12
+    assert "".join(d.delta_text for d in full) == full[-1].output.text
+    assert len(cut) == 2 and not cut[-1].finished
+    assert short[-1].finished and len(short[-1].output.token_ids) == 5
+    assert engine.stats().used_blocks == 0
