@@ -58,6 +58,7 @@ class PagedKVCache:
         self.allocator = BlockAllocator(0, config.block_size)
         self.num_defragmentations = 0  # compactions that moved at least one block
         self.num_chunks_released = 0
+        self.peak_allocated_bytes = 0  # the most device memory the pool has held
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
@@ -122,6 +123,7 @@ class PagedKVCache:
         if count:
             self.storage.add_chunks(count)
             self.allocator.grow(count * self.storage.chunk_blocks)
+            self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.storage.allocated_bytes)
         return count
 
     def defragment(self) -> DefragResult:

@@ -1,0 +1,223 @@
+"""Ponytail's engine against what users would otherwise run, on the same prompts, in one process.
+
+    python benchmarks/bench_engine.py --small                    # CPU, the embedded default model
+    python benchmarks/bench_engine.py --requests 64 --prompt-len 512 --output-len 1024   # H200, 7B-shaped
+
+Peers: plain `model.generate` on the whole batch, transformers' continuous batching
+(`generate_batch`), and `ponytail.LLM`. Greedy outputs are compared first (on the CPU in fp32
+they must agree exactly; in bf16 on random weights the first tokens must). Then each peer is timed
+on the same requests with EOS ignored: output tokens/s, time to first token and time per output
+token (p50/p99), and peak device memory above the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+import ponytail
+from ponytail import SamplingParams
+
+
+def seven_b_model(device) -> torch.nn.Module:
+    config = LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device(device):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            model = LlamaForCausalLM(config)
+        finally:
+            torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def prompts(n, length, vocab, seed=0):
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_above(device, weights_bytes):
+    return torch.cuda.max_memory_allocated(device) - weights_bytes if device.type == "cuda" else None
+
+
+def reset_peak(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_plain(model, batch, output_len, device, weights):
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor(batch, device=device)
+    mask = torch.ones_like(ids)
+    kwargs = dict(attention_mask=mask, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    first = model.generate(ids, max_new_tokens=1, **kwargs)
+    sync(device)
+    ttft = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+    sync(device)
+    total = time.perf_counter() - t0
+    tpot = (total - ttft) / max(1, output_len - 1)
+    del first
+    return {"peer": "plain generate", "seconds": total, "tokens_per_s": len(batch) * output_len / total,
+            "ttft_p50": ttft, "ttft_p99": ttft, "tpot_p50": tpot, "tpot_p99": tpot,
+            "peak_above_weights": peak_above(device, weights)}, out[:, len(batch[0]):].tolist()
+
+
+def run_generate_batch(model, batch, output_len, device, weights):
+    model.set_attn_implementation("sdpa")
+    config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    reset_peak(device)
+    sync(device)
+    t0 = time.perf_counter()
+    results = model.generate_batch(batch, generation_config=config, record_timestamps=True, progress_bar=False)
+    sync(device)
+    total = time.perf_counter() - t0
+    outs, ttfts, tpots = [], [], []
+    for key in sorted(results, key=lambda k: int(str(k).split("_")[-1]) if str(k).split("_")[-1].isdigit() else 0):
+        result = results[key]
+        outs.append(list(result.generated_tokens))
+        stamps = getattr(result, "timestamps", None)
+        if stamps and len(stamps) > 1:
+            created = getattr(result, "created_time", stamps[0])
+            ttfts.append(stamps[0] - created)
+            tpots.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    return {"peer": "transformers generate_batch", "seconds": total,
+            "tokens_per_s": len(batch) * output_len / total,
+            "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
+            "tpot_p50": percentile(tpots, 0.5), "tpot_p99": percentile(tpots, 0.99),
+            "peak_above_weights": peak_above(device, weights)}, outs
+
+
+def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory):
+    reset_peak(device)
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(batch),
+                       max_model_len=len(batch[0]) + output_len, max_num_batched_tokens=8192)
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    sync(device)
+    t0 = time.perf_counter()
+    outputs = llm.generate(batch, params)
+    sync(device)
+    total = time.perf_counter() - t0
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / max(1, len(o.token_ids) - 1)
+             for o in outputs]
+    config = llm.engine.cache.config
+    live_tokens = len(batch) * (len(batch[0]) + output_len)
+    needed = live_tokens * config.bytes_per_token + len(batch) * config.block_bytes
+    stats = llm.stats()
+    result = {"peer": "ponytail", "seconds": total, "tokens_per_s": len(batch) * output_len / total,
+              "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
+              "tpot_p50": percentile(tpots, 0.5), "tpot_p99": percentile(tpots, 0.99),
+              "peak_above_weights": peak_above(device, weights),
+              "kv_pool_peak_bytes": llm.engine.cache.peak_allocated_bytes,
+              "kv_live_tokens_need_bytes": needed, "preemptions": stats.num_preemptions}
+    return result, [o.token_ids for o in outputs], llm
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="CPU-sized: the default model, 8 requests")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=1024)
+    parser.add_argument("--peers", default="plain,generate_batch,ponytail")
+    parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
+    parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.small:
+        model, tokenizer = ponytail.load_model()
+        args.requests, args.prompt_len, args.output_len = 8, 32, 32
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: use --small on the CPU", file=sys.stderr)
+            return 2
+        model, tokenizer = seven_b_model("cuda"), None
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    batch = prompts(args.requests, args.prompt_len, vocab)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # 1. Correctness first: greedy outputs of each peer against plain generate on a few requests.
+    check = batch[: min(4, len(batch))]
+    _, reference = run_plain(model, check, args.check_tokens, device, weights)
+    agreement = {}
+    _, ours, llm = run_ponytail(model, tokenizer, check, args.check_tokens, device, weights, args.kv_memory)
+    del llm
+    exact = device.type == "cpu"
+    for name, outs in (("ponytail", ours),):
+        same = [a[: args.check_tokens] == b[: args.check_tokens] for a, b in zip(outs, reference)]
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(outs, reference)]
+        agreement[name] = {"identical": sum(same), "of": len(same), "first_divergence": prefix}
+        if exact:
+            assert all(same), f"{name} greedy output differs from plain generate: {prefix}"
+        else:
+            assert min(prefix) >= 4, f"{name} diverges from plain generate within 4 tokens: {prefix}"
+    print(f"greedy agreement with plain generate over {args.check_tokens} tokens: {agreement}")
+
+    # 2. Timing, same requests for every peer.
+    results = []
+    peers = args.peers.split(",")
+    if "plain" in peers:
+        results.append(run_plain(model, batch, args.output_len, device, weights)[0])
+    if "generate_batch" in peers:
+        try:
+            results.append(run_generate_batch(model, batch, args.output_len, device, weights)[0])
+        except Exception as exc:  # report, do not hide: the row says why it is missing
+            print(f"generate_batch failed: {type(exc).__name__}: {exc}")
+    if "ponytail" in peers:
+        results.append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights, args.kv_memory)[0])
+
+    env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+           "torch": torch.__version__, "requests": args.requests, "prompt_len": args.prompt_len,
+           "output_len": args.output_len}
+    print(f"\n{env}")
+    print(f"{'peer':30s} {'tok/s':>9s} {'TTFT p50':>9s} {'p99':>8s} {'TPOT p50':>9s} {'p99':>8s} {'peak>weights':>13s}")
+    for r in results:
+        peak = r["peak_above_weights"]
+        print(f"{r['peer']:30s} {r['tokens_per_s']:9.1f} {r['ttft_p50']:9.3f} {r['ttft_p99']:8.3f} "
+              f"{r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p99'] * 1e3:6.1f}ms "
+              f"{'-' if peak is None else f'{peak / 1e9:10.1f} GB':>13s}")
+    mine = next((r for r in results if r["peer"] == "ponytail"), None)
+    if mine:
+        for r in results:
+            if r is not mine:
+                print(f"ponytail / {r['peer']}: {mine['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s")
+        print(f"ponytail KV pool peak {mine['kv_pool_peak_bytes'] / 1e9:.2f} GB; live tokens need "
+              f"{mine['kv_live_tokens_need_bytes'] / 1e9:.2f} GB (incl. one block per sequence); "
+              f"preemptions {mine['preemptions']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"env": env, "agreement": agreement, "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
