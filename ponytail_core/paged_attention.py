@@ -41,18 +41,19 @@ _LOG2E = 1.4426950408889634
 # Launch tunables, read by the launches below and nowhere else.
 _LAUNCH = {
     "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
-    # Compiled into the kernel names (..._l4s4v1); the .cu instantiates l4s4 with v1 for every
-    # group and v2 for groups 2 and 4, plus a few tuning variants for bf16 / head_dim 128.
+    # The next three are compiled into the kernel names (..._l4s3v1); paged_attention.cu ships
+    # l4s3v1 for every group, plus tuning variants for bf16 / head_dim 128 (l4s4v1, l8s3v1, l4s4v2).
+    # On an H200, l4s3 (52 KiB of shared memory: 4 CTAs per SM) beat l4s4 (3 CTAs) by 5-20%.
     "decode_loads": 4,  # 16-byte K (and V) vectors per lane per step
-    "decode_stages": 4,  # steps in each warp's shared-memory ring; stages - 1 in flight
-    "decode_row_vectors_g1": 1,  # 16-byte vectors of a K/V row per lane, by query heads per CTA
-    "decode_row_vectors_g2": 2,
-    "decode_row_vectors_g4": 2,
-    "decode_row_vectors_g8": 1,
+    "decode_stages_g1": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight),
+    "decode_stages_g2": 3,  # by query heads per CTA
+    "decode_stages_g4": 3,
+    "decode_stages_g8": 3,
+    "decode_row_vectors": 1,  # 16-byte vectors of a K/V row per lane (2: fewer shuffles, more registers)
     "max_heads_per_cta": 8,  # query heads sharing one KV head in one CTA: 1, 2, 4 or 8
     "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
-    "target_waves": 8,  # split sequences until the grid fills every resident CTA slot this often
-    "min_split_tokens": 512,  # ... but never into pieces shorter than this
+    "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
+    "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
     "gather_threads": 256,  # prefill gather: one CTA per (row, table entry)
 }
 
@@ -248,11 +249,11 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _decode_smem(split_blocks: int, group: int, head_dim: int) -> int:
+def _decode_smem(split_blocks: int, group: int, head_dim: int, stages: int) -> int:
     """Dynamic shared memory of one decode CTA; the layout is the kernel's."""
     warps = _LAUNCH["decode_warps"]
     table = (split_blocks * 8 + 15) // 16 * 16
-    rings = warps * _LAUNCH["decode_stages"] * 2 * _LAUNCH["decode_loads"] * 32 * 16
+    rings = warps * stages * 2 * _LAUNCH["decode_loads"] * 32 * 16
     merge = warps * group * (2 + head_dim) * 4  # reuses the rings after the main loop
     return table + max(rings, merge)
 
@@ -285,18 +286,31 @@ def _resident_ctas_per_sm(kernel, name: str, device_index: int, threads: int, sm
 def plan_splits(base_ctas: int, max_tokens: int, block_size: int, resident_ctas: int) -> tuple[int, int]:
     """(splits, split_tokens) for a decode grid of base_ctas CTAs per split.
 
-    Split until the grid covers every resident CTA slot `target_waves` times (so the last,
-    partial wave costs little), but keep pieces >= min_split_tokens and small enough for the
-    shared-memory block table. split_tokens is a multiple of block_size.
+    The grid runs in waves of resident_ctas CTAs, each wave as long as one split, so the time
+    goes as waves * (split_tokens + split_overhead_tokens): pick the split count minimizing that,
+    between the fewest splits whose block table fits shared memory and pieces of
+    min_split_tokens. split_tokens is a multiple of block_size.
     """
+    return _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, _LAUNCH["max_split_blocks"],
+                        _LAUNCH["min_split_tokens"], _LAUNCH["split_overhead_tokens"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blocks, min_split_tokens,
+                 overhead_tokens) -> tuple[int, int]:
     if max_tokens == 0:
         return 1, block_size
-    splits = max(1, -(-_LAUNCH["target_waves"] * resident_ctas // base_ctas))
-    splits = min(splits, max(1, max_tokens // _LAUNCH["min_split_tokens"]))
-    splits = max(splits, -(-max_tokens // (_LAUNCH["max_split_blocks"] * block_size)))
-    split_tokens = -(-max_tokens // splits)
-    split_tokens = -(-split_tokens // block_size) * block_size
-    return -(-max_tokens // split_tokens), split_tokens
+    fewest = -(-max_tokens // (max_split_blocks * block_size))
+    most = max(fewest, max_tokens // max(min_split_tokens, 1))
+    best = None
+    for splits in range(fewest, most + 1):
+        split_tokens = -(-(-(-max_tokens // splits)) // block_size) * block_size
+        used = -(-max_tokens // split_tokens)
+        waves = -(-base_ctas * used // resident_ctas)
+        cost = waves * (split_tokens + overhead_tokens)
+        if best is None or cost < best[0]:
+            best = (cost, used, split_tokens)
+    return best[1], best[2]
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,18 +330,19 @@ def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int
     group_size = heads // c.num_kv_heads
     group = min(_LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
     groups = -(-group_size // group)
+    stages = _LAUNCH[f"decode_stages_g{group}"]
     name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{_LAUNCH['decode_loads']}"
-            f"s{_LAUNCH['decode_stages']}v{_LAUNCH[f'decode_row_vectors_g{group}']}")
+            f"s{stages}v{_LAUNCH['decode_row_vectors']}")
     kernel = kernel_loader.get_kernel(_SOURCE, name, storage.device)
     threads = 32 * _LAUNCH["decode_warps"]
-    largest = _decode_smem(_LAUNCH["max_split_blocks"], group, c.head_dim)
+    largest = _decode_smem(_LAUNCH["max_split_blocks"], group, c.head_dim, stages)
     _allow_smem(kernel, name, storage.device, largest)
     resident = _sm_count(storage.device.index) * _resident_ctas_per_sm(
         kernel, name, storage.device.index, threads, largest)
     splits, split_tokens = plan_splits(batch * c.num_kv_heads * groups, max_blocks * c.block_size,
                                        c.block_size, resident)
     return DecodePlan(name, group, groups, splits, split_tokens, threads,
-                      _decode_smem(split_tokens // c.block_size, group, c.head_dim))
+                      _decode_smem(split_tokens // c.block_size, group, c.head_dim, stages))
 
 
 def _decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:

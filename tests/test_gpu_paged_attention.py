@@ -142,9 +142,11 @@ def test_decode_long_rows_split_kv(group, dtype):
 
 
 @pytest.mark.parametrize("launch", [
-    {"target_waves": 0},  # as few splits as the table allows
-    {"target_waves": 1000, "min_split_tokens": 16},  # a split every 16 tokens
+    {"max_split_blocks": 4096, "min_split_tokens": 1 << 30},  # one split
+    {"min_split_tokens": 16, "split_overhead_tokens": 0},  # as many splits as pay off
     {"decode_warps": 1}, {"decode_warps": 8}, {"max_heads_per_cta": 2},
+    {"decode_stages_g4": 4}, {"decode_loads": 8},  # tuning variants (bf16, head_dim 128)
+    {"decode_row_vectors": 2, "decode_stages_g4": 4},
 ])
 def test_decode_launch_variants(launch):
     out = run_case([1, 700, 16, 2000, 0], kv_heads=4, group=4, head_dim=128, dtype=torch.bfloat16, launch=launch)
@@ -155,6 +157,26 @@ def test_decode_launch_variants(launch):
 @pytest.mark.parametrize("block_size", [1, 4, 32, 128])
 def test_decode_block_sizes(block_size):
     run_case([1, 33, 500, 1500], kv_heads=2, group=4, head_dim=128, dtype=torch.float16, block_size=block_size)
+
+
+def test_decode_can_be_captured_in_a_cuda_graph():
+    storage, tables, seq_lens = make_batch([40, 3000, 0], kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    query = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    eager = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    query.copy_(torch.randn_like(query))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    print(f"\n  graph replay vs eager: rel={rel(captured, expected.double()):.2e}", end="")
+    assert torch.equal(captured, expected) and not torch.equal(captured, eager)
 
 
 def test_decode_padding_rows_via_query_lens():

@@ -171,8 +171,8 @@ def test_garbage_past_the_end_of_a_block_never_leaks():
     assert not torch.isnan(out).any()
 
 
-@settings(max_examples=25, deadline=None)
-@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=4), group=st.sampled_from([1, 2, 3, 4, 8]),
+@settings(max_examples=15, deadline=None)
+@given(lengths=st.lists(st.integers(0, 200), min_size=1, max_size=4), group=st.sampled_from([1, 2, 3, 4, 8]),
        kv_heads=st.integers(1, 3), block_size=st.sampled_from([1, 4, 16, 32]),
        positions=st.integers(1, 6), pad=st.booleans(), seed=st.integers(0, 2**16))
 def test_random_shapes_match_naive(lengths, group, kv_heads, block_size, positions, pad, seed):
@@ -188,11 +188,17 @@ def test_random_shapes_match_naive(lengths, group, kv_heads, block_size, positio
     check(batch, heads=kv_heads * group, positions=positions, query_lens=query_lens, layer=seed % LAYERS)
 
 
-def test_split_plan_covers_the_table():
-    for base, tokens, block in [(2048, 4096, 16), (512, 4096, 16), (32, 32768, 16), (4, 100, 1), (7, 0, 16)]:
+def test_split_plan_covers_the_table_and_fills_the_waves():
+    for base, tokens, block in [(2048, 4096, 16), (512, 4096, 16), (32, 32768, 16), (4, 100, 1), (7, 0, 16),
+                                (1, 1 << 20, 16)]:
         splits, split_tokens = plan_splits(base, tokens, block, resident_ctas=396)
         assert split_tokens % block == 0 and splits * split_tokens >= tokens
         assert (splits - 1) * split_tokens < max(tokens, 1)
+        assert split_tokens <= 512 * block  # the block table fits shared memory
+    # A batch that fills the GPU exactly once is not split; a small one is split to fill it.
+    assert plan_splits(396, 4096, 16, resident_ctas=396) == (1, 4096)
+    splits, _ = plan_splits(4, 32768, 16, resident_ctas=396)
+    assert 4 * splits <= 396 and 4 * splits >= 300
 
 
 # ------------------------------------------------------------------------------------- errors
