@@ -1,0 +1,128 @@
+"""The Ponytail Serve application: `serve run deployments/app.yaml` imports `build` from here.
+
+Two deployments: `EngineReplica` (one engine per replica, one GPU each on GPU clusters, the CPU
+elsewhere), placed by the KV-block router; `OpenAIIngress` (FastAPI, the OpenAI-compatible API)
+streaming from them through a handle. Other Ray apps call `generate` on the app handle directly.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+
+from .openai_api import BackendUnavailable, build_app
+from .protocol import GenerateDelta, GenerateRequest, ModelInfo
+from .replica import EngineReplica
+
+ROUTER_CLASS = "deployments.router:KVBlockRouter"
+
+
+@dataclass(slots=True)
+class AppArgs:
+    """The `args:` of app.yaml (all optional)."""
+
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local checkpoint path
+    model_id: str | None = None  # the name clients put in "model"
+    device: str = "auto"  # auto | cuda | cpu: auto takes one GPU per replica when the cluster has GPUs
+    kv_cache_memory: int | str | None = None  # per replica; None: what the device has free
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    block_size: int = 16
+    min_replicas: int = 1
+    max_replicas: int = 2
+    target_ongoing_requests: float = 16
+    max_queued_requests: int = 256  # beyond this the API answers 503
+    stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cuda, cpu")
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                             "need 1 <= min_replicas <= max_replicas")
+
+
+@serve.deployment(name="OpenAIIngress")
+@serve.ingress()
+class OpenAIIngress:
+    """HTTP front: the OpenAI API (openai_api.build_app) over the engine replicas."""
+
+    def __init__(self, engine: DeploymentHandle):
+        self.engine = engine
+        self._streams: dict[str, Any] = {}
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self)
+
+    async def model_info(self) -> ModelInfo:
+        return await self.engine.model_info.remote()
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        response = self.engine.options(stream=True).generate.remote(request)
+        self._streams[request.request_id] = response
+        finished = False
+        try:
+            async for delta in response:
+                finished = delta.finished
+                yield delta
+        except BackPressureError as exc:
+            raise BackendUnavailable(f"all engine replicas are busy: {exc}") from exc
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:  # the consumer left early: cancelling aborts it on the replica
+                response.cancel()
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """For other Ray apps: `serve.get_app_handle("ponytail").options(stream=True).generate.remote(req)`
+        yields the same deltas the HTTP stream is made of."""
+        if request.request_id is None:
+            request.request_id = f"handle-{uuid.uuid4().hex}"
+        async for delta in self.stream(request):
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        """Cancelling the stream cancels the replica's generator, which aborts the request there."""
+        response = self._streams.pop(request_id, None)
+        if response is not None:
+            response.cancel()
+
+
+def _wants_gpu(device: str) -> bool:
+    if device == "cpu":
+        return False
+    if device == "cuda":
+        return True
+    return ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+def build(args: dict | None = None):
+    """The application for `serve run deployments/app.yaml` (or `serve.run(build({...}))`)."""
+    settings = AppArgs(**(args or {}))
+    gpu = _wants_gpu(settings.device)
+    engine = serve.deployment(
+        EngineReplica,
+        name="EngineReplica",
+        ray_actor_options={"num_gpus": 1 if gpu else 0, "num_cpus": 1},
+        autoscaling_config=AutoscalingConfig(min_replicas=settings.min_replicas,
+                                             max_replicas=settings.max_replicas,
+                                             target_ongoing_requests=settings.target_ongoing_requests,
+                                             upscale_delay_s=2, downscale_delay_s=10),
+        max_ongoing_requests=settings.max_num_seqs * 2,
+        max_queued_requests=settings.max_queued_requests,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+                                                  request_routing_stats_period_s=settings.stats_period_s,
+                                                  request_routing_stats_timeout_s=settings.stats_period_s),
+    )
+    engine_args = {k: v for k, v in asdict(settings).items()
+                   if k in ("model", "model_id", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size")}
+    engine_args["device"] = "cuda" if gpu else "cpu"
+    return OpenAIIngress.bind(engine.bind(**engine_args))

@@ -1,0 +1,55 @@
+"""What the ingress and other Ray apps send to an engine replica, and what comes back.
+
+Plain dataclasses: they cross Ray handles (pickled) and carry no Ray or FastAPI types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class GenerateRequest:
+    prompt: str | list[int] | None = None  # text or token ids (completions)
+    messages: list[dict[str, Any]] | None = None  # chat messages; the replica applies the chat template
+    sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
+    request_id: str | None = None
+
+    def num_prompt_tokens_hint(self) -> int:
+        """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""
+        if isinstance(self.prompt, list):
+            return len(self.prompt)
+        text = self.prompt if isinstance(self.prompt, str) else " ".join(
+            str(m.get("content", "")) for m in (self.messages or []))
+        return len(text) // 3 + 16  # ~3 characters per token, plus template overhead
+
+
+@dataclass(slots=True)
+class GenerateDelta:
+    request_id: str
+    text: str  # new text since the previous delta
+    token_ids: list[int]  # new token ids since the previous delta
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
+    prompt_tokens: int
+    completion_tokens: int  # so far
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ModelInfo:
+    model_id: str
+    max_model_len: int
+    block_size: int
+    device: str
+    device_uuid: str | None  # the GPU this replica owns (None on CPU)
+
+
+# Keys of a replica's record_routing_stats() dict, read by the router.
+STAT_FREE_BLOCKS = "free_blocks"
+STAT_TOTAL_BLOCKS = "total_blocks"
+STAT_NUM_RUNNING = "num_running"
+STAT_NUM_WAITING = "num_waiting"
+STAT_BLOCK_SIZE = "block_size"
+STAT_TIME = "time"  # time.time() on the replica when the stats were read

@@ -1,0 +1,252 @@
+"""KVBlockRouter: sends each generate request to the engine replica with the most free KV blocks.
+
+Ray Serve builds one router in every process that holds a handle to the engine deployment (the
+ingress replicas, other Ray apps) from the engine's `request_router_config`; KVBlockRouter's
+docstring shows the config to use.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
+                       GenerateRequest)
+
+DEFAULT_MAX_TOKENS = 16  # ponytail.SamplingParams' default, used when the request leaves it out
+
+
+@dataclass(slots=True, frozen=True)
+class Report:
+    """The part of one replica's record_routing_stats() dict the ranking reads."""
+
+    free_blocks: int  # free now, plus what the pool may still grow by
+    load: int  # num_running + num_waiting
+    block_size: int  # tokens per block
+    time: float  # time.time() on the replica when it read its stats
+
+
+def read_report(stats: Any) -> Report | None:
+    """A replica's routing stats as a Report; None when it has not reported yet or the dict is malformed."""
+    if not stats:
+        return None
+    try:
+        report = Report(free_blocks=int(stats[STAT_FREE_BLOCKS]),
+                        load=int(stats[STAT_NUM_RUNNING]) + int(stats[STAT_NUM_WAITING]),
+                        block_size=int(stats[STAT_BLOCK_SIZE]), time=float(stats[STAT_TIME]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return report if report.block_size >= 1 and math.isfinite(report.time) else None
+
+
+def request_tokens(pending_request: PendingRequest | None) -> int | None:
+    """Prompt tokens (a cheap upper-bound guess) plus max_tokens; None when arg 0 is not a GenerateRequest."""
+    args = pending_request.args if pending_request is not None else None
+    if not args or not isinstance(args[0], GenerateRequest):
+        return None
+    request = args[0]
+    try:
+        max_tokens = request.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            max_tokens = DEFAULT_MAX_TOKENS  # the replica rejects the request; size it like a default one
+        return request.num_prompt_tokens_hint() + max_tokens
+    except (AttributeError, TypeError):  # malformed messages/sampling: the replica reports the error
+        return None
+
+
+def blocks_needed(tokens: int | None, block_size: int) -> int:
+    """ceil(tokens / block_size); one block for a request that is not a GenerateRequest."""
+    return 1 if tokens is None else max(1, -(-tokens // block_size))
+
+
+@dataclass(slots=True)
+class Ledger:
+    """What this router sent one replica: blocks its latest report cannot show yet, requests still running."""
+
+    report_time: float = -math.inf  # `time` of the newest report seen
+    sends: deque[tuple[float, int]] = field(default_factory=deque)  # (router clock when routed, blocks), oldest first
+    sent_blocks: int = 0  # sum of the blocks in `sends`
+    in_flight: dict[str, int] = field(default_factory=dict)  # internal_request_id -> routed and not completed
+    num_in_flight: int = 0  # sum of in_flight's values
+
+    def observe(self, report: Report) -> None:
+        """A newer report already counts the sends routed before it was taken."""
+        if report.time > self.report_time:
+            self.report_time = report.time
+            self.forget_sends(report.time)
+
+    def forget_sends(self, until: float) -> None:
+        """Drops the sends routed at or before `until`."""
+        while self.sends and self.sends[0][0] <= until:
+            self.sent_blocks -= self.sends.popleft()[1]
+
+    def add_send(self, now: float, blocks: int, request_id: str) -> None:
+        self.sends.append((now, blocks))
+        self.sent_blocks += blocks
+        self.in_flight[request_id] = self.in_flight.get(request_id, 0) + 1
+        self.num_in_flight += 1
+
+    def complete(self, request_id: str) -> None:
+        count = self.in_flight.get(request_id)
+        if not count:  # rejected by the replica, so never routed: Ray still reports it completed
+            return
+        if count == 1:
+            del self.in_flight[request_id]
+        else:
+            self.in_flight[request_id] = count - 1
+        self.num_in_flight -= 1
+
+
+class KVBlockRouter(FIFOMixin, RequestRouter):
+    """Ranks engine replicas by the KV-cache blocks they have free for this request.
+
+    Every `request_routing_stats_period_s` each replica reports (record_routing_stats) its free
+    blocks, running and waiting requests, block size and the time of the reading. A request needs
+    ceil((prompt tokens + max_tokens) / block_size) blocks, from its GenerateRequest (one block if
+    the first argument is something else). A replica's effective free blocks are its reported free
+    blocks minus the blocks this router routed to it after that report was taken (the ledger; a
+    newer report drops the sends it already counts). Replicas are then ranked in three tiers:
+
+    1. fresh report, effective free blocks >= need: most free first, ties to fewer running+waiting;
+    2. no report, or one older than STATS_MAX_AGE_S: fewest queued requests first (Ray's queue
+       length cache, or this router's own in-flight count when larger or when the cache is empty);
+    3. fresh report, too few blocks: smallest deficit first, ties to fewer running+waiting.
+
+    Unknown replicas rank above ones that cannot fit the request because a fresh report proves the
+    request would wait or preempt there, while an unreported replica (just started, or its reports
+    are late) may well have room; Ray's queue-length check still keeps full replicas out. When
+    every report is stale the router degrades to least-queue routing.
+
+    Each rank holds one replica: Ray picks the shortest queue within a rank, so ranks of one keep
+    the block order, and Ray moves on to the next rank when a replica's queue is full
+    (max_ongoing_requests). Remaining ties are broken at random so that routers do not all pick the
+    same replica. The ledger only knows this router's sends: other routers' show up at the next
+    report. choose_replicas reads in-memory state only, never awaits, and costs O(n log n) in the
+    number of replicas.
+
+    FIFOMixin hands the chosen replica to the oldest pending request, which may not be the one
+    the ranking was computed for. It is kept because without it Ray matches replicas to requests
+    by internal_request_id, which every engine call made while serving one ingress request shares:
+    two concurrent calls (n > 1) leave the second one unrouted. The ledger charges the request
+    that was actually sent (on_request_routed).
+
+    Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S per
+    deployment (stats_max_age_s), and tests pass clock:
+
+        RequestRouterConfig(request_router_class="deployments.router:KVBlockRouter",
+                            request_routing_stats_period_s=0.2,
+                            request_routing_stats_timeout_s=0.2,
+                            request_router_kwargs={"stats_max_age_s": 1.0})
+    """
+
+    STATS_MAX_AGE_S = 1.0
+    """A report older than this is ignored. Reports reach the router through the controller (its
+    0.1 s control loop, then a broadcast): at a 0.2 s period they arrived 0.1-0.35 s old on an
+    idle local cluster. About 3x the period plus a few loop ticks."""
+
+    FALLBACK_BLOCK_SIZE = 16
+    """Converts a send to blocks before the replica has ever reported its block size."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.clock: Callable[[], float] = time.time
+        self.stats_max_age_s = self.STATS_MAX_AGE_S
+        self._ledgers: dict[ReplicaID, Ledger] = {}
+
+    def initialize_state(self, clock: Callable[[], float] | None = None, stats_max_age_s: float | None = None,
+                         **unknown):
+        """Takes `request_router_config.request_router_kwargs`."""
+        if unknown:
+            raise ValueError(f"request_router_kwargs {sorted(unknown)} are not known to KVBlockRouter; "
+                             "expected: stats_max_age_s (seconds), clock (tests)")
+        if stats_max_age_s is not None:
+            number = isinstance(stats_max_age_s, (int, float)) and not isinstance(stats_max_age_s, bool)
+            if not (number and stats_max_age_s > 0):
+                raise ValueError(f"request_router_kwargs stats_max_age_s={stats_max_age_s!r}; "
+                                 "expected seconds > 0")
+            self.stats_max_age_s = float(stats_max_age_s)
+        if clock is not None:
+            self.clock = clock
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Every live candidate, one per rank, best first (see the class docstring)."""
+        if pending_request is not None:
+            # Lets Ray back off between rounds when every replica is full (it spins otherwise).
+            pending_request.routing_context.should_backoff = True
+        now = self.clock()
+        tokens = request_tokens(pending_request)
+        fits, unknown, short = [], [], []
+        for replica in candidate_replicas:
+            replica_id = replica.replica_id
+            if replica_id not in self._replicas:  # died after the caller took its list
+                continue
+            ledger = self._ledger(replica_id)
+            report = read_report(replica.routing_stats)
+            if report is not None:
+                ledger.observe(report)
+            if report is None or now - report.time > self.stats_max_age_s:
+                unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
+                continue
+            free = report.free_blocks - ledger.sent_blocks
+            need = blocks_needed(tokens, report.block_size)
+            if free >= need:
+                fits.append(((-free, report.load, random.random()), replica))
+            else:
+                short.append(((need - free, report.load, random.random()), replica))
+        return [[replica] for tier in (fits, unknown, short)
+                for _, replica in sorted(tier, key=lambda entry: entry[0])]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """Charges the request to the replica's ledger.
+
+        Ray calls this once the replica accepted the request under its rejection protocol (always
+        on, except from a Ray Client driver, where the ledger stays empty).
+        """
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        now = self.clock()
+        ledger = self._ledger(replica_id)
+        # Any report fresh enough to be used drops these sends anyway; a replica that never
+        # reports again must not grow its ledger forever.
+        ledger.forget_sends(now - self.stats_max_age_s)
+        report = read_report(replica.routing_stats)
+        if report is not None:
+            ledger.observe(report)
+        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
+        ledger.add_send(now, blocks_needed(request_tokens(pending_request), block_size),
+                        pending_request.metadata.internal_request_id)
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        ledger = self._ledgers.get(replica_id)
+        if ledger is not None:
+            ledger.complete(internal_request_id)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._ledgers.pop(replica_id, None)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for replica_id in [rid for rid in self._ledgers if rid not in self._replicas]:
+            del self._ledgers[replica_id]
+
+    def _ledger(self, replica_id: ReplicaID) -> Ledger:
+        ledger = self._ledgers.get(replica_id)
+        if ledger is None:
+            ledger = self._ledgers[replica_id] = Ledger()
+        return ledger
+
+    def _queue_len(self, replica_id: ReplicaID, ledger: Ledger) -> int:
+        cached = self.replica_queue_len_cache.get(replica_id)
+        return max(cached or 0, ledger.num_in_flight)

@@ -1,0 +1,343 @@
+"""The OpenAI-compatible API (deployments/openai_api.py) over a fake backend, without Ray.
+
+The app runs under uvicorn in a background thread on 127.0.0.1; the official `openai` client
+drives the happy paths, plain HTTP (httpx2, the HTTP library the openai client ships with) the
+error shapes and disconnects.
+"""
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+try:
+    import httpx2 as httpx  # the HTTP library openai>=3 depends on
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
+
+from deployments.openai_api import BackendUnavailable, build_app
+from deployments.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS,
+                                         ChatCompletionRequest, CompletionRequest, to_generate_request)
+from deployments.protocol import GenerateDelta, ModelInfo
+from ponytail import ConfigError, SamplingParams
+
+MODEL = "fake-model"
+MAX_MODEL_LEN = 512
+WAIT_S = 5.0  # the longest any test waits for the server
+
+
+class FakeBackend:
+    """Deterministic deltas (" t0", "", " t2", ...), one token each; records requests and aborts.
+
+    `fail` is raised at `fail_at`: "call" (backend.stream itself), "first" (the first delta) or
+    "later" (after two deltas). A prompt + max_tokens over MAX_MODEL_LEN raises the engine's
+    ConfigError on the first delta, as the real replica does.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.fail: BaseException | None = None
+        self.fail_at = "call"
+        self.delay_s = 0.0
+        self.requests = []
+        self.aborts = []
+        self.aborted = threading.Event()
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(model_id=MODEL, max_model_len=MAX_MODEL_LEN, block_size=16, device="cpu", device_uuid=None)
+
+    def stream(self, request):
+        self.requests.append(request)
+        if self.fail is not None and self.fail_at == "call":
+            raise self.fail
+        return self._deltas(request)
+
+    async def _deltas(self, request):
+        params = SamplingParams(**request.sampling)
+        if request.messages is not None:
+            prompt_tokens = sum(len(m["content"].split()) + 4 for m in request.messages)
+        else:
+            prompt_tokens = len(request.prompt) if isinstance(request.prompt, list) else len(request.prompt.split())
+        need = prompt_tokens + params.max_tokens
+        if need > MAX_MODEL_LEN:
+            raise ConfigError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
+                              f"exceeds max_model_len={MAX_MODEL_LEN}")
+        if self.fail is not None and self.fail_at == "first":
+            raise self.fail
+        for i in range(params.max_tokens):
+            if self.fail is not None and self.fail_at == "later" and i == 2:
+                raise self.fail
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            done = i + 1 == params.max_tokens
+            yield GenerateDelta(request_id=request.request_id, text="" if i % 3 == 1 else f" t{i}",
+                                token_ids=[100 + i], finished=done, finish_reason="length" if done else None,
+                                prompt_tokens=prompt_tokens, completion_tokens=i + 1)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborts.append(request_id)
+        self.aborted.set()
+
+
+class RayTaskErrorLike(Exception):
+    """Like ray.exceptions.RayTaskError: the original error in `.cause`, a traceback in str()."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(f"ray::EngineReplica.generate()\nTraceback (most recent call last):\n  ...\n{cause!r}")
+        self.cause = cause
+
+
+@pytest.fixture(scope="module")
+def server():
+    backend = FakeBackend()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # loopback only; the kernel picks a free port
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(build_app(backend), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
+    uv = uvicorn.Server(config)
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    yield backend, f"http://127.0.0.1:{port}"
+    uv.should_exit = True
+    thread.join(timeout=WAIT_S)
+    sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"
+
+
+@pytest.fixture
+def backend(server):
+    server[0].reset()
+    return server[0]
+
+
+@pytest.fixture
+def client(server, backend):
+    with openai.OpenAI(base_url=f"{server[1]}/v1", api_key="x", max_retries=0, timeout=WAIT_S) as c:
+        yield c
+
+
+@pytest.fixture
+def http(server, backend):
+    with httpx.Client(base_url=server[1], timeout=WAIT_S) as c:
+        yield c
+
+
+def expected_text(max_tokens: int) -> str:
+    return "".join("" if i % 3 == 1 else f" t{i}" for i in range(max_tokens))
+
+
+# ------------------------------------------------------------------------------ happy paths
+def test_health_and_models(client, http):
+    assert http.get("/health").json() == {"status": "ok"}
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert models.data[0].object == "model" and models.data[0].owned_by == "ponytail"
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_stream_matches_non_stream(client, backend):
+    full = client.completions.create(model=MODEL, prompt="one two three", max_tokens=7, temperature=0)
+    assert full.object == "text_completion" and full.id.startswith("cmpl-") and full.model == MODEL
+    assert full.choices[0].text == expected_text(7) and full.choices[0].finish_reason == "length"
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (3, 7, 10)
+    assert backend.requests[0].request_id == full.id and backend.requests[0].prompt == "one two three"
+    assert backend.requests[0].sampling == {"max_tokens": 7, "temperature": 0.0}
+
+    chunks = list(client.completions.create(model=MODEL, prompt="one two three", max_tokens=7, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 10
+    assert not backend.aborts
+
+
+def test_chat_stream_matches_non_stream(client, backend):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, seed=3,
+                                          stop=["END"], extra_body={"top_k": 4, "repetition_penalty": 1.1})
+    assert full.object == "chat.completion" and full.id.startswith("chatcmpl-")
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content == expected_text(5)
+    assert full.usage.completion_tokens == 5 and full.usage.total_tokens == full.usage.prompt_tokens + 5
+    request = backend.requests[0]
+    assert request.messages == messages and request.prompt is None and request.request_id == full.id
+    assert request.sampling == {"max_tokens": 5, "seed": 3, "stop": ["END"], "top_k": 4, "repetition_penalty": 1.1}
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, stream=True)
+    chunks = list(stream)
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None  # no include_usage
+
+
+def test_chat_default_max_tokens_and_no_model(http, backend):
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "user": "u",
+                                                "some_future_field": {"x": 1}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == CHAT_DEFAULT_MAX_TOKENS
+    assert backend.requests[0].sampling == {"max_tokens": CHAT_DEFAULT_MAX_TOKENS}
+
+
+def test_to_generate_request_defaults():
+    completion = to_generate_request(CompletionRequest.model_validate({"prompt": [1, 2, 3]}))
+    assert completion.prompt == [1, 2, 3] and completion.sampling == {"max_tokens": COMPLETION_DEFAULT_MAX_TOKENS}
+    assert completion.request_id.startswith("cmpl-")
+    chat = to_generate_request(ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+         "max_tokens": 9, "max_completion_tokens": 4, "top_p": 0.5}), request_id="chatcmpl-x")
+    assert chat.messages == [{"role": "user", "content": "a\nb"}] and chat.request_id == "chatcmpl-x"
+    assert chat.sampling == {"max_tokens": 4, "top_p": 0.5}
+
+
+# ------------------------------------------------------------------------------ errors
+def assert_error(response, status: int, param: str | None, *in_message: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == ("invalid_request_error" if status < 500 else
+                             "service_unavailable_error" if status == 503 else "server_error")
+    assert error["param"] == param
+    for text in in_message:
+        assert text in error["message"], error["message"]
+    assert "Traceback" not in response.text
+    return error
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("path, body, param, in_message", [
+    ("/v1/completions", {}, "prompt", ["prompt", "required"]),
+    ("/v1/chat/completions", {"model": MODEL}, "messages", ["messages", "required"]),
+    ("/v1/chat/completions", {"messages": []}, "messages", ["messages"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens", ["max_tokens", "integer", "'ten'"]),
+    ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", ["stream"]),
+    ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", ["prompt", "token ids"]),
+    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", ["prompt", "not supported yet"]),
+    ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", ["stop"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", ["logprobs", "not supported yet"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content", ["messages[0].content", "images"]),
+    # values SamplingParams refuses: its message, which names the field
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ["max_tokens=-1", ">= 1"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", ["temperature=-1"]),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p=2"]),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", ["n=2"]),
+    ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
+     ["max_completion_tokens=0"]),
+    ("/v1/chat/completions", {**CHAT, "top_k": -5}, "top_k", ["top_k=-5"]),
+])
+def test_bad_request_names_the_field(http, backend, path, body, param, in_message):
+    assert_error(http.post(path, json=body), 400, param, *in_message)
+    assert backend.requests == []  # refused before reaching the engine
+
+
+def test_malformed_json(http, backend):
+    r = http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
+    assert_error(r, 400, None, "not valid JSON")
+    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]"), 400, "body", "object")
+
+
+def test_prompt_too_long_from_the_engine(http, client, backend):
+    """SamplingParams accepts a huge max_tokens; the engine refuses prompt + max_tokens > max_model_len."""
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9})
+    assert_error(r, 400, None, "max_tokens", "max_model_len")
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9, "stream": True})
+    assert_error(r, 400, None, "max_tokens", "max_model_len")
+    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+        client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("wrap", [
+    lambda e: e,
+    RayTaskErrorLike,
+    lambda e: type("RayTaskError(ConfigError)", (RayTaskErrorLike, type(e)), {})(e),  # Ray's as_instanceof_cause
+])
+def test_wrapped_config_error_is_a_400(http, backend, wrap):
+    backend.fail, backend.fail_at = wrap(ConfigError("prompt='' is empty; give at least one token")), "first"
+    error = assert_error(http.post("/v1/completions", json={"prompt": "hi"}), 400, "prompt")
+    assert error["message"] == "prompt='' is empty; give at least one token"
+
+
+def test_unknown_model_is_a_404(http, client, backend):
+    error = assert_error(http.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"}), 404, "model",
+                         "gpt-4", MODEL)
+    assert error["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=CHAT["messages"])
+    assert_error(http.get("/v1/models/gpt-4"), 404, "model")
+    assert backend.requests == []
+
+
+@pytest.mark.parametrize("fail_at", ["call", "first"])
+def test_backend_unavailable_is_a_503(http, backend, fail_at):
+    backend.fail, backend.fail_at = BackendUnavailable("all engine replicas are busy"), fail_at
+    for body in ({"prompt": "hi"}, {"prompt": "hi", "stream": True}):
+        r = http.post("/v1/completions", json=body)
+        assert_error(r, 503, None, "busy")
+        assert r.headers["retry-after"] == "1"
+    backend.fail = RayTaskErrorLike(BackendUnavailable("no replica"))
+    assert_error(http.post("/v1/chat/completions", json=CHAT), 503, None, "no replica")
+
+
+@pytest.mark.parametrize("fail_at", ["call", "first"])
+def test_internal_error_is_a_500_without_details(http, backend, fail_at):
+    backend.fail = RuntimeError("secret detail\nTraceback (most recent call last):")
+    backend.fail_at = fail_at
+    for path, body in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {**CHAT, "stream": True})):
+        error = assert_error(http.post(path, json=body), 500, None, "internal server error")
+        assert "secret" not in error["message"]
+    assert_error(http.get("/no/such/path"), 404, None)
+
+
+def test_error_after_the_stream_started(http, client, backend):
+    backend.fail, backend.fail_at = RuntimeError("secret detail"), "later"
+    with http.stream("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": 9, "stream": True}) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "server_error" and "secret" not in error["message"]
+    assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-2]] == [" t0"]  # empty deltas send nothing
+    assert backend.aborts == [backend.requests[0].request_id]  # aborted before the error event was sent
+
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT["messages"], stream=True)
+    with pytest.raises(openai.APIError, match="internal server error"):
+        list(stream)
+    assert backend.aborts == [r.request_id for r in backend.requests]
+
+
+# ------------------------------------------------------------------------------ disconnects
+def wait_for_abort(backend) -> list[str]:
+    assert backend.aborted.wait(WAIT_S), "backend.abort was not called"
+    return backend.aborts
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", CHAT)])
+def test_client_disconnect_mid_stream_aborts(http, backend, path, body):
+    backend.delay_s = 0.05  # 400 tokens would take 20 s
+    with http.stream("POST", path, json={**body, "max_tokens": 400, "stream": True}) as r:
+        first = next(line for line in r.iter_lines() if line.startswith("data: {"))
+    request_id = json.loads(first[6:])["id"]  # leaving the block closed the connection
+    assert wait_for_abort(backend) == [request_id] == [backend.requests[0].request_id]
+
+
+def test_client_disconnect_while_waiting_aborts(server, backend):
+    backend.delay_s = 0.05
+    with httpx.Client(base_url=server[1], timeout=0.3) as short:
+        with pytest.raises(httpx.ReadTimeout):
+            short.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400})
+    assert wait_for_abort(backend) == [backend.requests[0].request_id]

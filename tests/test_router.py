@@ -1,0 +1,341 @@
+"""KVBlockRouter without a cluster: fake replicas, an injected clock, Ray's own routing loop.
+
+Built the way Ray's router tests build theirs (test_pow_2_request_router.py): a RunningReplica
+subclass that answers queue-length probes from memory, a fake clock, and a check after every test
+that no routing task or pending request is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from ray.serve._private.common import DeploymentHandleSource, DeploymentID, RequestMetadata  # noqa: E402
+from ray.serve.config import RequestRouterConfig  # noqa: E402
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica  # noqa: E402
+
+from deployments.protocol import GenerateRequest  # noqa: E402
+from deployments.router import KVBlockRouter, blocks_needed, request_tokens  # noqa: E402
+
+DEPLOYMENT_ID = DeploymentID(name="EngineReplica", app_name="ponytail")
+MAX_ONGOING = 8
+T0 = 1_000.0
+_ids = itertools.count()
+
+
+class FakeClock:
+    def __init__(self, now: float = T0):
+        self.now = now
+
+    def time(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class FakeReplica(RunningReplica):
+    """What the router reads of a replica: its id, its last stats report and its queue length."""
+
+    def __init__(self, name: str, queue_len: int = 0):
+        self._replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT_ID)
+        self.stats: dict = {}
+        self.queue_len = queue_len
+        self.num_probes = 0
+
+    def report(self, free_blocks: int, at: float, running: int = 0, waiting: int = 0, block_size: int = 16):
+        self.stats = {"free_blocks": free_blocks, "total_blocks": 64, "num_running": running,
+                      "num_waiting": waiting, "block_size": block_size, "time": at}
+        return self
+
+    @property
+    def replica_id(self) -> ReplicaID:
+        return self._replica_id
+
+    @property
+    def routing_stats(self) -> dict:
+        return self.stats
+
+    @property
+    def max_ongoing_requests(self) -> int:
+        return MAX_ONGOING
+
+    @property
+    def node_id(self) -> str:
+        return ""
+
+    @property
+    def availability_zone(self):
+        return None
+
+    @property
+    def multiplexed_model_ids(self) -> set:
+        return set()
+
+    def push_proxy_handle(self, handle) -> None:
+        pass
+
+    async def get_queue_len(self, *, deadline_s: float) -> int:
+        self.num_probes += 1
+        return self.queue_len
+
+    def try_send_request(self, pr, with_rejection):
+        raise NotImplementedError
+
+
+def make_router(clock: FakeClock, **kwargs) -> KVBlockRouter:
+    router = KVBlockRouter(deployment_id=DEPLOYMENT_ID, handle_source=DeploymentHandleSource.REPLICA,
+                           self_actor_id="fake-actor-id", self_actor_handle=None,
+                           use_replica_queue_len_cache=True, get_curr_time_s=clock.time,
+                           initial_backoff_s=0.001, backoff_multiplier=1, max_backoff_s=0.001)
+    router.initialize_state(clock=clock.time, **kwargs)
+    return router
+
+
+def run(router: KVBlockRouter, body) -> None:
+    """Runs `body()` on a fresh event loop, then checks no routing work is left behind."""
+
+    async def main():
+        await body()
+        for _ in range(3):  # routing tasks that were just fulfilled exit on their next turn
+            await asyncio.sleep(0)
+        assert router.curr_num_routing_tasks == 0
+        assert router.num_pending_requests == 0
+
+    asyncio.run(main())
+
+
+def request(prompt_tokens: int = 100, max_tokens: int | None = 20, request_id: str | None = None) -> PendingRequest:
+    """A pending generate call (create inside a running loop: PendingRequest makes a Future)."""
+    sampling = {} if max_tokens is None else {"max_tokens": max_tokens}
+    internal_id = request_id or f"req-{next(_ids)}"
+    return PendingRequest(args=[GenerateRequest(prompt=list(range(prompt_tokens)), sampling=sampling)],
+                          kwargs={}, metadata=RequestMetadata(request_id=internal_id, internal_request_id=internal_id,
+                                                              is_streaming=True))
+
+
+async def ranking(router: KVBlockRouter, replicas, pr: PendingRequest | None = None) -> list[str]:
+    ranks = await router.choose_replicas(replicas, pr if pr is not None else request())
+    assert all(len(rank) == 1 for rank in ranks)  # one replica per rank: Ray keeps our order
+    return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+def test_request_size_in_blocks():
+    async def body():
+        assert request_tokens(request(prompt_tokens=100, max_tokens=20)) == 120
+        assert blocks_needed(128, 16) == 8 and blocks_needed(129, 16) == 9
+        assert request_tokens(request(prompt_tokens=100, max_tokens=None)) == 116  # default max_tokens 16
+        text = PendingRequest(args=[GenerateRequest(prompt="x" * 300)], kwargs={},
+                              metadata=RequestMetadata(request_id="t", internal_request_id="t"))
+        assert request_tokens(text) == 300 // 3 + 16 + 16
+        other = PendingRequest(args=[{"prompt": "hi"}], kwargs={},
+                               metadata=RequestMetadata(request_id="o", internal_request_id="o"))
+        assert request_tokens(other) is None and blocks_needed(None, 16) == 1
+        assert request_tokens(None) is None
+
+    asyncio.run(body())
+
+
+def test_more_free_blocks_wins(clock):
+    router = make_router(clock)
+    small = FakeReplica("small").report(10, T0)
+    big = FakeReplica("big").report(40, T0)
+    mid = FakeReplica("mid").report(25, T0)
+    replicas = [small, big, mid]
+
+    async def body():
+        router.update_replicas(replicas)
+        assert await ranking(router, replicas) == ["big", "mid", "small"]
+        # Through Ray's routing loop: the first rank is taken when its queue has room.
+        assert await router._choose_replica_for_request(request()) is big
+
+    run(router, body)
+
+
+def test_ties_go_to_fewer_running_and_waiting(clock):
+    router = make_router(clock)
+    busy = FakeReplica("busy").report(30, T0, running=5, waiting=2)
+    idle = FakeReplica("idle").report(30, T0, running=1, waiting=1)
+
+    async def body():
+        router.update_replicas([busy, idle])
+        assert await ranking(router, [busy, idle]) == ["idle", "busy"]
+
+    run(router, body)
+
+
+def test_large_request_goes_to_the_replica_that_fits(clock):
+    router = make_router(clock)
+    four, eight = FakeReplica("four").report(4, T0), FakeReplica("eight").report(8, T0)
+    silent = FakeReplica("silent")  # no report yet
+    replicas = [four, silent, eight]
+
+    async def body():
+        router.update_replicas(replicas)
+        # 108 + 20 tokens = 8 blocks: only "eight" has room; "four" is short, below the unknown one.
+        assert await ranking(router, replicas, request(108, 20)) == ["eight", "silent", "four"]
+        assert await router._choose_replica_for_request(request(108, 20)) is eight
+        # 9 blocks fit nowhere known: the unreported replica first, then the smallest deficit.
+        assert await ranking(router, replicas, request(109, 20)) == ["silent", "eight", "four"]
+        # A small request fits both; most free first.
+        assert await ranking(router, replicas, request(10, 5)) == ["eight", "four", "silent"]
+
+    run(router, body)
+
+
+def test_ledger_subtracts_sends_until_a_newer_report(clock):
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(10, T0), FakeReplica("b").report(7, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        pr = request(50, 14)  # 64 tokens = 4 blocks
+        assert await router._choose_replica_for_request(pr) is a
+        clock.advance(0.1)
+        router.on_request_routed(pr, a.replica_id, result=None)
+        assert await ranking(router, [a, b]) == ["b", "a"]  # a: 10 - 4 = 6 < 7
+
+        # The same report again, or one read before the send, cannot show it yet.
+        a.report(10, T0 + 0.05)
+        assert await ranking(router, [a, b]) == ["b", "a"]
+        # A report read after the send already counts it: the ledger starts over.
+        a.report(10, T0 + 0.2)
+        assert await ranking(router, [a, b]) == ["a", "b"]
+
+        # Completion does not give blocks back before the next report (the ledger only lowers).
+        clock.advance(0.2)
+        pr2 = request(50, 14)
+        router.on_request_routed(pr2, a.replica_id, result=None)
+        router.on_request_routed(request(50, 14), a.replica_id, result=None)
+        router.on_request_completed(a.replica_id, pr2.metadata.internal_request_id)
+        assert await ranking(router, [a, b]) == ["b", "a"]  # a: 10 - 8 = 2
+
+    run(router, body)
+
+
+def test_stale_stats_fall_back_to_queue_length(clock):
+    router = make_router(clock)
+    replicas = [FakeReplica("r1").report(60, T0), FakeReplica("r2").report(5, T0), FakeReplica("r3").report(30, T0)]
+    r1, r2, r3 = replicas
+
+    async def body():
+        router.update_replicas(replicas)
+        assert await ranking(router, replicas) == ["r1", "r3", "r2"]
+        clock.advance(router.STATS_MAX_AGE_S + 0.1)
+
+        # No queue-length information at all: this router's own in-flight requests decide.
+        for replica, n in ((r1, 2), (r3, 1)):
+            for _ in range(n):
+                router.on_request_routed(request(), replica.replica_id, result=None)
+        assert await ranking(router, replicas) == ["r2", "r3", "r1"]
+
+        # Ray's queue-length cache (probes, rejection replies) wins when it knows more.
+        router.on_new_queue_len_info(r2.replica_id, 5)
+        assert await ranking(router, replicas) == ["r3", "r1", "r2"]
+
+        # A fresh report puts that replica back in the block tiers, ahead of the stale ones.
+        r2.report(50, clock.time())
+        assert (await ranking(router, replicas))[0] == "r2"
+
+    run(router, body)
+
+
+def test_stats_max_age_comes_from_router_kwargs(clock):
+    router = make_router(clock, stats_max_age_s=10.0)
+    old, new = FakeReplica("old").report(50, T0), FakeReplica("new").report(20, T0 + 4)
+    clock.advance(5)
+
+    async def body():
+        router.update_replicas([old, new])
+        assert await ranking(router, [old, new]) == ["old", "new"]  # 5 s old is fresh at 10 s
+
+    run(router, body)
+
+
+def test_dead_replica_is_never_chosen(clock):
+    router = make_router(clock)
+    best = FakeReplica("best").report(60, T0)
+    ok = FakeReplica("ok").report(20, T0)
+    gone = FakeReplica("gone").report(10, T0)
+    replicas = [best, ok, gone]
+
+    async def body():
+        router.update_replicas(replicas)
+        router.on_request_routed(request(), best.replica_id, result=None)
+        router.on_replica_actor_died(best.replica_id)
+        # Even when the caller's candidate list still holds it.
+        assert await ranking(router, replicas) == ["ok", "gone"]
+        for _ in range(3):
+            assert await router._choose_replica_for_request(request()) is ok
+        router.update_replicas([ok])  # the controller's next broadcast drops "gone" as well
+        assert await ranking(router, replicas) == ["ok"]
+        assert set(router._ledgers) == {ok.replica_id}
+        router.on_request_completed(best.replica_id, "late")  # a late callback must not revive it
+        assert best.replica_id not in router._ledgers
+
+    run(router, body)
+
+
+def test_full_replica_is_skipped_and_backoff_is_asked_for(clock):
+    router = make_router(clock)
+    full = FakeReplica("full", queue_len=MAX_ONGOING).report(60, T0)
+    room = FakeReplica("room").report(20, T0)
+
+    async def body():
+        router.update_replicas([full, room])
+        pr = request()
+        assert await router.choose_replicas([full, room], pr)
+        assert pr.routing_context.should_backoff  # else Ray retries without sleeping when all are full
+        assert await router._choose_replica_for_request(request()) is room
+
+    run(router, body)
+
+
+def test_concurrent_calls_sharing_an_internal_request_id_are_all_routed(clock):
+    """Engine calls made while serving one ingress request share internal_request_id (n > 1)."""
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(30, T0), FakeReplica("b").report(20, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        calls = [router._choose_replica_for_request(request(request_id="shared")) for _ in range(3)]
+        chosen = await asyncio.wait_for(asyncio.gather(*calls), timeout=5)
+        assert set(chosen) <= {a, b}
+
+    run(router, body)
+
+
+def test_malformed_stats_count_as_no_report(clock):
+    router = make_router(clock)
+    bad = FakeReplica("bad")
+    bad.stats = {"free_blocks": "many", "time": T0}
+    good = FakeReplica("good").report(1, T0)
+
+    async def body():
+        router.update_replicas([bad, good])
+        assert await ranking(router, [bad, good], request(10, 5)) == ["good", "bad"]
+
+    run(router, body)
+
+
+def test_router_kwargs_are_checked(clock):
+    with pytest.raises(ValueError, match="stats_max_age"):
+        make_router(clock, stats_max_age=3)
+    with pytest.raises(ValueError, match="stats_max_age_s"):
+        make_router(clock, stats_max_age_s=0)
+
+
+def test_request_router_config_imports_the_router():
+    config = RequestRouterConfig(request_router_class="deployments.router:KVBlockRouter",
+                                 request_routing_stats_period_s=0.2, request_routing_stats_timeout_s=0.2,
+                                 request_router_kwargs={"stats_max_age_s": 1.0})
+    assert config.get_request_router_class().__name__ == "KVBlockRouter"

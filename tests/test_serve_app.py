@@ -1,0 +1,140 @@
+"""The Serve application end to end on the CPU: two engine replicas of the embedded default model,
+the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only."""
+
+import socket
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+import ray  # noqa: E402
+from ray import serve  # noqa: E402
+
+from deployments.app import build  # noqa: E402
+from deployments.protocol import GenerateRequest  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app(default_model):  # default_model: the converted checkpoint exists before replicas start
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build({"device": "cpu", "min_replicas": 2, "max_replicas": 2, "kv_cache_memory": "256MiB",
+                     "max_num_seqs": 8, "max_model_len": 2048}), name="ponytail", route_prefix="/")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
+    yield client, port
+    serve.shutdown()
+    ray.shutdown()
+
+
+def engine_stats_of_every_replica():
+    """Ask until both replicas answered (the router picks one per call)."""
+    handle = serve.get_deployment_handle("EngineReplica", app_name="ponytail")
+    seen = {}
+    for _ in range(60):
+        replica, stats = handle.engine_stats.remote().result()
+        seen[replica] = stats
+        if len(seen) == 2:
+            break
+    return list(seen.values())
+
+
+def wait_until_idle(timeout=30):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine_stats_of_every_replica()
+        if all(s.used_blocks == 0 and s.num_running == 0 for s in stats):
+            return stats
+        time.sleep(0.5)
+    raise AssertionError(f"replicas still hold KV blocks: {stats}")
+
+
+def test_two_replicas_serve_the_openai_api(app):
+    client, _ = app
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status = serve.status().applications["ponytail"].deployments["EngineReplica"]
+    assert sum(status.replica_states.values()) == 2
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.usage.completion_tokens == 16 or chat.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                              stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+
+    completion = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0)
+    stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream) == completion.choices[0].text
+    assert completion.usage.prompt_tokens > 0 and completion.usage.total_tokens == (
+        completion.usage.prompt_tokens + completion.usage.completion_tokens)
+    wait_until_idle()
+
+
+def test_a_serve_handle_yields_the_same_deltas_as_http(app):
+    client, _ = app
+    http = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0)
+    handle = serve.get_app_handle("ponytail")
+    request = GenerateRequest(prompt="1, 2, 3,", sampling={"max_tokens": 8, "temperature": 0})
+    deltas = list(handle.options(stream=True).generate.remote(request))
+    assert deltas[-1].finished and deltas[-1].finish_reason == http.choices[0].finish_reason
+    assert "".join(d.text for d in deltas) == http.choices[0].text
+
+
+@pytest.mark.parametrize("kwargs, status, field", [
+    (dict(model=MODEL, prompt="hi", max_tokens=10, temperature=-1), 400, "temperature"),
+    (dict(model=MODEL, prompt="hi", max_tokens=-5), 400, "max_tokens"),
+    (dict(model=MODEL, prompt="hi", max_tokens=10, top_p=2.0), 400, "top_p"),
+    (dict(model=MODEL, prompt="hi " * 2100, max_tokens=10), 400, "max_model_len"),
+    (dict(model="gpt-4", prompt="hi", max_tokens=10), 404, "gpt-4"),
+])
+def test_bad_input_gets_a_clear_error_and_the_server_keeps_serving(app, kwargs, status, field):
+    client, _ = app
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.completions.create(**kwargs)
+    assert caught.value.status_code == status
+    assert field in caught.value.body["message"]
+    ok = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")
+    wait_until_idle()
+
+
+def test_malformed_json_is_a_400(app):
+    httpx = pytest.importorskip("httpx2") if _has("httpx2") else pytest.importorskip("httpx")
+    _, port = app
+    response = httpx.post(f"http://127.0.0.1:{port}/v1/completions", content=b"{not json",
+                          headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_blocks(app):
+    client, _ = app
+    stream = client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, stream=True,
+                                       temperature=0.8, extra_body={"ignore_eos": True})
+    for index, _ in enumerate(stream):
+        if index == 3:
+            break
+    stream.close()
+    wait_until_idle()
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
