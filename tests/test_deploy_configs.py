@@ -1,0 +1,49 @@
+"""app.yaml and cluster.yaml validated against Ray's own schemas, without starting anything."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("ray.serve")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_app_yaml_matches_serves_schema_and_builds():
+    from ray.serve.schema import ServeDeploySchema
+
+    from deployments.app import AppArgs, build
+
+    config = yaml.safe_load((ROOT / "deployments" / "app.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") \
+        else ServeDeploySchema.parse_obj(config)
+    (app,) = schema.applications
+    assert (app.name, app.route_prefix, app.import_path) == ("ponytail", "/", "deployments.app:build")
+    assert app.args["model"] is None and app.args["device"] == "auto"
+    AppArgs(**app.args)  # every arg is one the builder knows
+    assert build(app.args) is not None
+
+
+def test_app_args_are_checked():
+    from deployments.app import AppArgs
+
+    with pytest.raises(ValueError, match="device='tpu' is not supported; allowed: auto, cuda, cpu"):
+        AppArgs(device="tpu")
+    with pytest.raises(ValueError, match="min_replicas=3, max_replicas=2"):
+        AppArgs(min_replicas=3, max_replicas=2)
+
+
+def test_cluster_yaml_matches_the_cluster_launchers_schema():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
+    validate_config(prepare_config(config))
+    workers = config["available_node_types"]["gpu_worker"]
+    assert workers["resources"]["GPU"] == 1 and workers["min_workers"] <= workers["max_workers"]
+    assert config["available_node_types"]["head"]["resources"]["GPU"] == 0
+    assert any("serve deploy deployments/app.yaml" in c for c in config["head_start_ray_commands"])
+    broken = prepare_config(yaml.safe_load((ROOT / "cluster.yaml").read_text()))
+    broken["available_node_types"]["gpu_worker"]["max_workers"] = "many"
+    with pytest.raises(Exception, match="max_workers"):
+        validate_config(broken)
