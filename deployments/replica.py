@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import ray
 from ray import serve
 
 import ponytail
@@ -72,8 +73,8 @@ class EngineReplica:
                 STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time()}
 
     def engine_stats(self) -> tuple[str, ponytail.EngineStats]:
-        """(replica id, engine stats): for operators and tests."""
-        return self.metrics.replica, self.llm.stats()
+        """(this replica's actor name, engine stats): for operators and tests."""
+        return ray.get_runtime_context().get_actor_name() or "local", self.llm.stats()
 
     def _blocks_promised_to_waiting(self) -> int:
         """Blocks the queued requests will take: free blocks they will claim are not free to others."""
