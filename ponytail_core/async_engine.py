@@ -1,19 +1,22 @@
 """An asyncio front for the engine, for servers: add a request, iterate over its deltas, abort.
 
 One background task drives the engine; each step runs in a worker thread so the event loop stays
-responsive while the GPU works. Requests added or aborted between steps take effect at the next.
+responsive while the device works. The event loop never waits for a step: new requests, aborts
+and clean-ups are handed over through thread-safe deques and applied by the worker between steps.
+Requests are checked (and refused with ConfigError) on the caller's side before they are queued.
 """
 
 from __future__ import annotations
 
 import asyncio
-import threading
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from .errors import ConfigError
 from .llm import LLM
 from .llm_engine import EngineStats, LLMEngine
-from .request import RequestOutput
+from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
 
 
@@ -31,7 +34,9 @@ class RequestDelta:
 class AsyncLLM:
     def __init__(self, llm: LLM | LLMEngine):
         self.engine = llm.engine if isinstance(llm, LLM) else llm
-        self._lock = threading.Lock()  # the engine is touched by one thread at a time
+        self._incoming: deque[Request] = deque()  # prepared on the loop, enqueued by the worker
+        self._aborts: deque[str] = deque()
+        self._forget: deque[str] = deque()
         self._queues: dict[str, asyncio.Queue] = {}
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -39,10 +44,12 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas as they come; aborts it if the consumer stops early."""
-        with self._lock:
-            request = self.engine.add_request(prompt, params, request_id)
+        request = self.engine.prepare_request(prompt, params, request_id)
+        if request.request_id in self._queues:
+            raise ConfigError(f"request_id={request.request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request.request_id] = queue
+        self._incoming.append(request)
         self._ensure_loop()
         finished = False
         try:
@@ -55,23 +62,23 @@ class AsyncLLM:
         finally:
             self._queues.pop(request.request_id, None)
             if not finished:
-                await self.abort(request.request_id)
-            with self._lock:
-                self.engine.forget(request.request_id)
+                self._aborts.append(request.request_id)
+            self._forget.append(request.request_id)
+            try:
+                self._ensure_loop()
+            except RuntimeError:  # the event loop is shutting down: nothing more to drive
+                pass
 
     async def abort(self, request_id: str) -> bool:
-        with self._lock:
-            aborted = self.engine.abort(request_id)
-        queue = self._queues.get(request_id)
-        if aborted and queue is not None:
-            with self._lock:
-                output = self.engine.output(self.engine.requests[request_id])
-            queue.put_nowait(RequestDelta(request_id, "", [], True, output))
-        return aborted
+        """Ask for a request to stop; its stream ends with a finished delta (reason "abort")."""
+        if request_id not in self._queues:
+            return False
+        self._aborts.append(request_id)
+        self._ensure_loop()
+        return True
 
     def stats(self) -> EngineStats:
-        with self._lock:
-            return self.engine.stats()
+        return self.engine.stats()  # counters only: safe to read while a step runs
 
     # ------------------------------------------------------------ the loop
     def _ensure_loop(self) -> None:
@@ -81,30 +88,54 @@ class AsyncLLM:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self._forget) or self.engine.has_unfinished()
+
     def _step(self):
-        with self._lock:
-            outputs = self.engine.step()
-            return [(o, self.engine.output(o.request)) for o in outputs]
+        """Worker thread: apply hand-overs, then one engine step. Returns what to deliver."""
+        engine = self.engine
+        delivered, failed = [], []
+        while self._incoming:
+            request = self._incoming.popleft()
+            try:
+                engine.enqueue(request)
+            except Exception as exc:
+                failed.append((request.request_id, exc))
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            if engine.abort(request_id):
+                request = engine.requests[request_id]
+                delivered.append(RequestDelta(request_id, "", [], True, engine.output(request)))
+        while self._forget:
+            request_id = self._forget.popleft()
+            request = engine.requests.get(request_id)
+            if request is not None and request.finished:
+                engine.forget(request_id)
+        for out in engine.step():
+            delivered.append(RequestDelta(out.request.request_id, out.delta_text, out.new_token_ids, out.finished,
+                                          engine.output(out.request)))
+        return delivered, failed
 
     async def _run(self) -> None:
         while True:
-            with self._lock:
-                busy = self.engine.has_unfinished()
-            if not busy:
+            if not self._has_work():
                 self._wakeup.clear()
+                if self._has_work():  # a hand-over raced with the clear
+                    continue
                 await self._wakeup.wait()
                 continue
             try:
-                results = await asyncio.to_thread(self._step)
+                delivered, failed = await asyncio.to_thread(self._step)
             except Exception as exc:  # a failed step fails its requests, not the server
-                for queue in list(self._queues.values()):
+                for request_id, queue in list(self._queues.items()):
                     queue.put_nowait(exc)
-                with self._lock:
-                    for request_id in list(self.engine.requests):
-                        self.engine.abort(request_id)
+                    self._aborts.append(request_id)
                 continue
-            for step_output, output in results:
-                queue = self._queues.get(step_output.request.request_id)
+            for request_id, exc in failed:
+                queue = self._queues.get(request_id)
                 if queue is not None:
-                    queue.put_nowait(RequestDelta(step_output.request.request_id, step_output.delta_text,
-                                                  step_output.new_token_ids, step_output.finished, output))
+                    queue.put_nowait(exc)
+            for delta in delivered:
+                queue = self._queues.get(delta.request_id)
+                if queue is not None:
+                    queue.put_nowait(delta)

@@ -76,6 +76,14 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
+        """Check, tokenize and queue a request; ConfigError names what is wrong."""
+        request = self.prepare_request(prompt, params, request_id)
+        self.enqueue(request)
+        return request
+
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        request_id: str | None = None) -> Request:
+        """Everything add_request checks, without touching the engine's state (any thread may call it)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a ponytail.SamplingParams, got {type(params).__name__}")
@@ -88,12 +96,19 @@ class LLMEngine:
         token_ids = self._prompt_token_ids(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
-        self.scheduler.add(request)  # refuses what can never fit
-        self.requests[request_id] = request
-        self._detokenizers[request_id] = (IncrementalDetokenizer(self.tokenizer, token_ids, params)
-                                          if self.tokenizer is not None else NoTextDetokenizer())
-        self._generators[request_id] = request_generator(params, self.cache.config.device)
+        self.scheduler.check_fits(request)  # refuses what can never fit
         return request
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a prepared request (the engine's thread only)."""
+        if request.request_id in self.requests:
+            raise ConfigError(f"request_id={request.request_id!r} is already in use")
+        self.scheduler.add(request)
+        self.requests[request.request_id] = request
+        self._detokenizers[request.request_id] = (
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+            if self.tokenizer is not None else NoTextDetokenizer())
+        self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
     def _prompt_token_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
