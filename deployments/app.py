@@ -22,7 +22,10 @@ from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
 
-ROUTER_CLASS = "deployments.router:KVBlockRouter"
+ROUTERS = {
+    "kv_blocks": "deployments.router:KVBlockRouter",
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
+}
 
 
 @dataclass(slots=True)
@@ -41,11 +44,14 @@ class AppArgs:
     target_ongoing_requests: float = 16
     max_queued_requests: int = 256  # beyond this the API answers 503
     stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
+    router: str = "kv_blocks"  # kv_blocks (deployments.router) | power_of_two (Serve's default, to compare)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cuda, cpu")
+        if self.router not in ROUTERS:
+            raise ValueError(f"router={self.router!r} is not supported; allowed: {', '.join(ROUTERS)}")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                              "need 1 <= min_replicas <= max_replicas")
@@ -118,7 +124,7 @@ def build(args: dict | None = None):
                                              upscale_delay_s=2, downscale_delay_s=10),
         max_ongoing_requests=settings.max_num_seqs * 2,
         max_queued_requests=settings.max_queued_requests,
-        request_router_config=RequestRouterConfig(request_router_class=ROUTER_CLASS,
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router],
                                                   request_routing_stats_period_s=settings.stats_period_s,
                                                   request_routing_stats_timeout_s=settings.stats_period_s),
     )

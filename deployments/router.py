@@ -1,4 +1,4 @@
-"""KVBlockRouter: sends each generate request to the engine replica with the most free KV blocks.
+"""KVBlockRouter: sends each generate request to a lightly loaded engine replica with room for its KV blocks.
 
 Ray Serve builds one router in every process that holds a handle to the engine deployment (the
 ingress replicas, other Ray apps) from the engine's `request_router_config`; KVBlockRouter's
@@ -113,7 +113,10 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     blocks minus the blocks this router routed to it after that report was taken (the ledger; a
     newer report drops the sends it already counts). Replicas are then ranked in three tiers:
 
-    1. fresh report, effective free blocks >= need: most free first, ties to fewer running+waiting;
+    1. fresh report, effective free blocks >= need: fewest running+waiting (plus this router's sends
+       since the report, or Ray's queue length if larger) first, ties to most free blocks: where
+       memory is plentiful the request
+       goes where it will be computed soonest; where it is scarce only replicas with room qualify;
     2. no report, or one older than STATS_MAX_AGE_S: fewest queued requests first (Ray's queue
        length cache, or this router's own in-flight count when larger or when the cache is empty);
     3. fresh report, too few blocks: smallest deficit first, ties to fewer running+waiting.
@@ -200,7 +203,10 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             free = report.free_blocks - ledger.sent_blocks
             need = blocks_needed(tokens, report.block_size)
             if free >= need:
-                fits.append(((-free, report.load, random.random()), replica))
+                # Memory decides where a request can go; among those, load decides (as power of two
+                # would): requests routed since the report count as load the report cannot show.
+                load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
+                fits.append(((load, -free, random.random()), replica))
             else:
                 short.append(((need - free, report.load, random.random()), replica))
         return [[replica] for tier in (fits, unknown, short)

@@ -339,3 +339,19 @@ def test_request_router_config_imports_the_router():
                                  request_routing_stats_period_s=0.2, request_routing_stats_timeout_s=0.2,
                                  request_router_kwargs={"stats_max_age_s": 1.0})
     assert config.get_request_router_class().__name__ == "KVBlockRouter"
+
+
+def test_memory_filters_and_load_ranks_among_replicas_with_room(clock):
+    router = make_router(clock)
+    roomy_busy = FakeReplica("roomy_busy").report(60, T0, running=6)
+    tight_idle = FakeReplica("tight_idle").report(10, T0, running=1)
+    replicas = [roomy_busy, tight_idle]
+
+    async def body():
+        router.update_replicas(replicas)
+        # 4 blocks fit both: the less loaded replica computes it sooner.
+        assert await ranking(router, replicas, request(50, 14)) == ["tight_idle", "roomy_busy"]
+        # 16 blocks fit only the roomy one: memory decides, whatever the load.
+        assert await ranking(router, replicas, request(200, 56)) == ["roomy_busy", "tight_idle"]
+
+    run(router, body)

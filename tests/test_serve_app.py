@@ -1,7 +1,6 @@
 """The Serve application end to end on the CPU: two engine replicas of the embedded default model,
 the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only."""
 
-import socket
 import time
 
 import pytest
@@ -9,52 +8,24 @@ import pytest
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from deployments.app import build  # noqa: E402
 from deployments.protocol import GenerateRequest  # noqa: E402
+from serve_support import MODEL, replica_stats, running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def app(default_model):  # default_model: the converted checkpoint exists before replicas start
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build({"device": "cpu", "min_replicas": 2, "max_replicas": 2, "kv_cache_memory": "256MiB",
-                     "max_num_seqs": 8, "max_model_len": 2048}), name="ponytail", route_prefix="/")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
-    yield client, port
-    serve.shutdown()
-    ray.shutdown()
-
-
-def engine_stats_of_every_replica():
-    """Ask until both replicas answered (the router picks one per call)."""
-    handle = serve.get_deployment_handle("EngineReplica", app_name="ponytail")
-    seen = {}
-    for _ in range(60):
-        replica, stats = handle.engine_stats.remote().result()
-        seen[replica] = stats
-        if len(seen) == 2:
-            break
-    return list(seen.values())
+    with running_app(min_replicas=2, max_replicas=2) as started:
+        yield started
 
 
 def wait_until_idle(timeout=30):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        stats = engine_stats_of_every_replica()
+        stats = list(replica_stats().values())
         if all(s.used_blocks == 0 and s.num_running == 0 for s in stats):
             return stats
         time.sleep(0.5)

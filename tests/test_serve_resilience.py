@@ -1,7 +1,6 @@
 """The Serve app under failure and load (CPU): a replica killed mid-stream, autoscaling 1 -> 2 -> 1."""
 
 import concurrent.futures
-import socket
 import time
 
 import pytest
@@ -13,16 +12,9 @@ import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.app import build  # noqa: E402
+from serve_support import MODEL, replica_stats, running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
-
-MODEL = "SmolLM2-135M-Instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def running_engine_replicas() -> int:
@@ -41,16 +33,8 @@ def wait_for(condition, timeout, what):
 
 @pytest.fixture(scope="module")
 def app(default_model):
-    port = free_port()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build({"device": "cpu", "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
-                     "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048}),
-              name="ponytail", route_prefix="/")
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
-    yield client
-    serve.shutdown()
-    ray.shutdown()
+    with running_app(min_replicas=1, max_replicas=2, target_ongoing_requests=1) as (client, _):
+        yield client
 
 
 def long_request(client, tokens=96):
@@ -89,13 +73,9 @@ def test_a_replica_killed_mid_stream_fails_that_stream_and_others_still_succeed(
 
 
 def busy_replica() -> str:
-    """The actor name of the engine replica that is running a request (asking each in turn)."""
-    handle = serve.get_deployment_handle("EngineReplica", app_name="ponytail")
-    seen = {}
-    for _ in range(80):
-        replica, stats = handle.engine_stats.remote().result()
-        seen[replica] = stats
-        busy = [r for r, st in seen.items() if st.num_running > 0]
-        if busy and len(seen) == 2:
+    """The actor name of the engine replica that is running a request."""
+    for _ in range(20):
+        busy = [name for name, stats in replica_stats().items() if stats.num_running > 0]
+        if busy:
             return busy[0]
-    raise AssertionError(f"no replica reports a running request: {seen}")
+    raise AssertionError("no replica reports a running request")
