@@ -32,6 +32,8 @@ def test_app_args_are_checked():
         AppArgs(device="tpu")
     with pytest.raises(ValueError, match="min_replicas=3, max_replicas=2"):
         AppArgs(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, power_of_two"):
+        AppArgs(router="random")
 
 
 def test_cluster_yaml_matches_the_cluster_launchers_schema():
