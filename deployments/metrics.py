@@ -24,7 +24,8 @@ class ReplicaMetrics:
         self.preemptions = metrics.Counter("ponytail_num_preemptions_total", "Requests preempted for recompute")
         self.prefix_hits = metrics.Counter("ponytail_prefix_cache_hits_total", "Prompt tokens served from cache")
         self.prefix_queries = metrics.Counter("ponytail_prefix_cache_queries_total", "Prompt tokens admitted")
-        self.defrags = metrics.Counter("ponytail_defrag_total", "KV pool compactions that moved blocks")
+        self.defrag_blocks = metrics.Counter("ponytail_defrag_blocks_moved_total",
+                                             "KV blocks moved by pool compaction")
         self.ttft = metrics.Histogram("ponytail_time_to_first_token_seconds", "Time to first token",
                                       boundaries=_LATENCY_BOUNDARIES)
         self.tpot = metrics.Histogram("ponytail_time_per_output_token_seconds", "Time per output token",
@@ -42,7 +43,7 @@ class ReplicaMetrics:
                 (self.preemptions, stats.num_preemptions, last.num_preemptions if last else 0),
                 (self.prefix_hits, stats.prefix_cache_hits, last.prefix_cache_hits if last else 0),
                 (self.prefix_queries, stats.prefix_cache_queries, last.prefix_cache_queries if last else 0),
-                (self.defrags, stats.num_defragmentations, last.num_defragmentations if last else 0)):
+                (self.defrag_blocks, stats.num_blocks_moved, last.num_blocks_moved if last else 0)):
             if now > before:
                 counter.inc(now - before)
         self._last = stats

@@ -32,6 +32,7 @@ class EngineStats:
     fragmentation: float
     num_preemptions: int
     num_defragmentations: int  # pool compactions that moved blocks
+    num_blocks_moved: int  # blocks those compactions copied
     prefix_cache_queries: int  # prompt tokens admitted
     prefix_cache_hits: int  # of those, served from cached blocks
     allocated_bytes: int
@@ -232,5 +233,6 @@ class LLMEngine:
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
                            num_defragmentations=self.cache.num_defragmentations,
+                           num_blocks_moved=self.cache.num_blocks_moved,
                            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
                            allocated_bytes=s.allocated_bytes)

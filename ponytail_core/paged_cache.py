@@ -57,6 +57,7 @@ class PagedKVCache:
         self.storage = PagedKVStorage(config, chunk_blocks)
         self.allocator = BlockAllocator(0, config.block_size)
         self.num_defragmentations = 0  # compactions that moved at least one block
+        self.num_blocks_moved = 0  # blocks those compactions copied
         self.num_chunks_released = 0
         self.peak_allocated_bytes = 0  # the most device memory the pool has held
         self.grow(initial_chunks)
@@ -131,6 +132,7 @@ class PagedKVCache:
         moves = self.allocator.plan_compaction()
         cache_ops.copy_blocks(self.storage, list(moves.items()))
         self.num_defragmentations += bool(moves)
+        self.num_blocks_moved += len(moves)
         return DefragResult(blocks_moved=len(moves), bytes_moved=len(moves) * self.config.block_bytes)
 
     def shrink(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:

@@ -186,3 +186,17 @@ def test_async_engine_streams_deltas_and_aborts(small_model):
     assert len(cut) == 2 and not cut[-1].finished
     assert short[-1].finished and len(short[-1].output.token_ids) == 5
     assert engine.stats().used_blocks == 0
+
+
+def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
+    pytest.importorskip("ray.serve")
+    from deployments.metrics import ReplicaMetrics
+
+    llm = make_llm(small_model)
+    metrics = ReplicaMetrics("test")
+    metrics.on_stats(llm.stats())  # counters start from the engine's totals
+    outputs = llm.generate(random_prompts(2, seed=11), GREEDY)
+    metrics.on_stats(llm.stats())
+    for output in outputs:
+        metrics.on_finished(output)
+    assert metrics._last == llm.stats()
