@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -46,11 +47,9 @@ class LLM:
             raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                               f"{max_num_seqs} so every running sequence can decode each step")
         memory = self._kv_memory(kv_cache_memory, device)
-        blocks = memory // CacheConfig.from_model(model, max_batch_size=1, max_seq_len=block_size,
-                                                  block_size=block_size, device=device).block_bytes
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
-                                        block_size=block_size, memory_budget=memory, device=device,
-                                        chunk_blocks=max(1, -(-blocks // POOL_CHUNKS)))
+                                        block_size=block_size, memory_budget=memory, device=device)
+        config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
