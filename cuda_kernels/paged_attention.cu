@@ -539,6 +539,40 @@ __device__ void gather_kv(V* __restrict__ k_out, V* __restrict__ v_out,
     }
 }
 
+// Prefill for flash varlen: row b's first seq_lens[b] tokens land at rows cu_k[b].. of k_out and
+// v_out [total, num_heads, head_dim]. That is the blocks' own token-major layout, so each CTA
+// copies one block's live tokens as one contiguous, coalesced run. One CTA per (table entry, row).
+template <typename V>
+__device__ void gather_kv_packed(V* __restrict__ k_out, V* __restrict__ v_out,
+                                 const u64* __restrict__ chunk_ptrs, const int* __restrict__ block_tables,
+                                 int table_stride, const int* __restrict__ seq_lens,
+                                 const int* __restrict__ cu_k, int num_heads, int row_vecs, int block_size,
+                                 int chunk_blocks, int num_blocks, int layer) {
+    const int j = blockIdx.x, b = blockIdx.y;
+    const int n = seq_lens[b];
+    const int first = j * block_size;
+    if (first >= n) return;
+    const int tokens = min(block_size, n - first);
+    const int per_token = num_heads * row_vecs;
+    const i64 block_vecs = (i64)block_size * per_token;
+    int id = block_tables[(i64)b * table_stride + j];
+    const V* k_src = nullptr;
+    if (id >= 0 && id < num_blocks) {  // a bad id reads nothing outside the pool: zeros instead
+        const int chunk = id / chunk_blocks;
+        const int within = id - chunk * chunk_blocks;
+        k_src = reinterpret_cast<const V*>(chunk_ptrs[chunk]) + ((i64)(2 * layer) * chunk_blocks + within) * block_vecs;
+    }
+    const i64 v_offset = (i64)chunk_blocks * block_vecs;
+    V zero;
+    for (int z = 0; z < (int)(sizeof(V) / sizeof(u16)); ++z) reinterpret_cast<u16*>(&zero)[z] = 0;
+    const i64 count = (i64)tokens * per_token;
+    const i64 dst = ((i64)cu_k[b] + first) * per_token;
+    for (i64 i = threadIdx.x; i < count; i += blockDim.x) {
+        k_out[dst + i] = k_src != nullptr ? k_src[i] : zero;
+        v_out[dst + i] = k_src != nullptr ? k_src[v_offset + i] : zero;
+    }
+}
+
 #define PONYTAIL_GATHER(SUFFIX, V)                                                              \
     extern "C" __global__ void gather_kv_##SUFFIX(                                              \
         V* k_out, V* v_out, const u64* chunk_ptrs, const int* block_tables, int table_stride,   \
@@ -546,6 +580,14 @@ __device__ void gather_kv(V* __restrict__ k_out, V* __restrict__ v_out,
         int num_blocks, int layer) {                                                            \
         gather_kv<V>(k_out, v_out, chunk_ptrs, block_tables, table_stride, seq_lens,            \
                      num_heads, row_vecs, block_size, chunk_blocks, num_blocks, layer);         \
+    }                                                                                           \
+    extern "C" __global__ void gather_kv_packed_##SUFFIX(                                       \
+        V* k_out, V* v_out, const u64* chunk_ptrs, const int* block_tables, int table_stride,   \
+        const int* seq_lens, const int* cu_k, int num_heads, int row_vecs, int block_size,      \
+        int chunk_blocks, int num_blocks, int layer) {                                          \
+        gather_kv_packed<V>(k_out, v_out, chunk_ptrs, block_tables, table_stride, seq_lens,     \
+                            cu_k, num_heads, row_vecs, block_size, chunk_blocks, num_blocks,    \
+                            layer);                                                             \
     }
 
 PONYTAIL_GATHER(v16, uint4)

@@ -2,8 +2,10 @@
 
 `paged_attention` runs one of three paths with the same semantics:
   * one query position per row (decode) on CUDA: the custom split-KV kernel;
-  * several positions per row (prefill chunks, prefix reuse) on CUDA: one gather launch copies the
-    rows' K/V into contiguous buffers, then torch's SDPA runs with a causal + padding mask;
+  * several positions per row (prefill chunks, prefix reuse) on CUDA: one gather launch packs the
+    rows' K/V end to end, then flash attention's varlen kernel (through torch) attends with a
+    bottom-right causal mask, no padding and no mask tensor; where flash cannot run (fp32, a GPU
+    before sm80, a torch without it) a padded gather and SDPA with an explicit mask instead;
   * the torch fallback (CPU, PONYTAIL_KERNELS=torch, a head size without a kernel): the same
     gather with tensor indexing, then attention in fp32 with an explicit softmax.
 
@@ -13,6 +15,9 @@ seq_lens[b] tokens; its real new tokens are the last query_lens[b] of the T quer
 seq_lens[b] - T + j and attends positions 0 .. that one. Padding positions, rows with
 seq_lens[b] == 0 and positions that would sit before position 0 produce zeros.
 
+`paged_attention_varlen` takes the engine's packed layout: rows' query tokens end to end, with
+cumulative lengths, and the same semantics per row.
+
 Lengths and block ids are checked against the cache when they are CPU tensors; on CUDA that
 would cost a host sync per call, so there the kernels clamp instead (never reading outside the
 pool or the table) and bad values give wrong numbers, not a crash.
@@ -21,6 +26,7 @@ pool or the table) and bad values give wrong numbers, not a crash.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -61,26 +67,37 @@ _LAUNCH = {
 # ------------------------------------------------------------------------------------ checks
 def _check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
                 seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float) -> None:
-    c = storage.config
-    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < c.num_layers:
-        raise KernelError(f"layer={layer!r} is outside the cache's {c.num_layers} layers (0..{c.num_layers - 1})")
     if not isinstance(query, torch.Tensor) or query.dim() != 4:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise KernelError(f"query must be [batch, query heads, positions, head_dim], got {shape}")
     batch, heads, positions, head_dim = query.shape
+    if positions == 0:
+        raise KernelError(f"query has 0 positions (shape {tuple(query.shape)}); need at least 1")
+    _check_query(storage, layer, query, heads, head_dim, scale)
+    _check_rows(storage, batch, block_tables, seq_lens, query_lens)
+    if seq_lens.device.type == "cpu":  # values are free to read only on the host
+        _check_values(storage, block_tables, seq_lens, query_lens, positions)
+
+
+def _check_query(storage: PagedKVStorage, layer, query: torch.Tensor, heads: int, head_dim: int, scale) -> None:
+    c = storage.config
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < c.num_layers:
+        raise KernelError(f"layer={layer!r} is outside the cache's {c.num_layers} layers (0..{c.num_layers - 1})")
     if head_dim != c.head_dim:
         raise KernelError(f"query head_dim {head_dim} does not match the cache's head_dim {c.head_dim}")
     if heads == 0 or heads % c.num_kv_heads:
         raise KernelError(f"query has {heads} heads, not a positive multiple of the cache's "
                           f"{c.num_kv_heads} KV heads")
-    if positions == 0:
-        raise KernelError(f"query has 0 positions (shape {tuple(query.shape)}); need at least 1")
     if query.dtype != c.dtype:
         raise KernelError(f"query dtype {query.dtype} does not match the cache dtype {c.dtype}")
     if query.device != storage.device:
         raise KernelError(f"query is on {query.device}, the cache on {storage.device}")
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale):
         raise KernelError(f"scale={scale!r} is not a finite number")
+
+
+def _check_rows(storage: PagedKVStorage, batch: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                query_lens: torch.Tensor | None) -> None:
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise KernelError(f"block_tables must be [batch={batch}, max_blocks], got {tuple(block_tables.shape)}")
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
@@ -93,8 +110,6 @@ def _check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_
             raise KernelError(f"{name} must be int32 on {storage.device}, got {t.dtype} on {t.device}")
         if name != "block_tables" and tuple(t.shape) != (batch,):
             raise KernelError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
-    if seq_lens.device.type == "cpu":  # values are free to read only on the host
-        _check_values(storage, block_tables, seq_lens, query_lens, positions)
 
 
 def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
@@ -140,8 +155,14 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     batch, _, positions, head_dim = query.shape
     choice = kernel_loader.choose(storage.device)
     op = "paged_attention decode" if positions == 1 else "paged_attention prefill"
+    flash = False
     if positions == 1:
         choice = _decode_choice(choice, head_dim)
+    elif choice.use_custom:
+        problem = flash_varlen_problem(storage)
+        flash = problem is None
+        choice = kernel_loader.KernelChoice(True, "CuPy packed gather + flash varlen" if flash else
+                                            f"CuPy gather + masked SDPA: {problem}")
     kernel_loader.log_choice(op, choice)
     if batch == 0:
         return torch.empty_like(query)
@@ -149,7 +170,63 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
         return _attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
     if positions == 1:
         return _decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+    if flash:
+        return _prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
     return _prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+
+
+def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
+                           max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
+
+    Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
+    0 and ending at N), the last of its seq_lens[b] cached tokens; max_query_len bounds every
+    row's count. block_tables and seq_lens as for `paged_attention`.
+    """
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
+        raise KernelError(f"query must be [tokens, query heads, head_dim], got {shape}")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2:
+        raise KernelError(f"block_tables must be [batch, max_blocks], got {getattr(block_tables, 'shape', block_tables)}")
+    batch = block_tables.shape[0]
+    if cu_seq_q.dtype != torch.int32 or cu_seq_q.device != storage.device or tuple(cu_seq_q.shape) != (batch + 1,):
+        raise KernelError(f"cu_seq_q must be int32 [batch + 1 = {batch + 1}] on {storage.device}, got "
+                          f"{cu_seq_q.dtype} {tuple(cu_seq_q.shape)} on {cu_seq_q.device}")
+    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
+        raise KernelError(f"max_query_len={max_query_len!r} must be a positive int")
+    if cu_seq_q.device.type == "cpu":
+        counts = (cu_seq_q[1:] - cu_seq_q[:-1]).tolist()
+        if int(cu_seq_q[0]) != 0 or int(cu_seq_q[-1]) != query.shape[0] or min(counts, default=0) < 0:
+            raise KernelError(f"cu_seq_q={cu_seq_q.tolist()} must rise from 0 to the {query.shape[0]} query tokens")
+        if max(counts, default=0) > max_query_len:
+            raise KernelError(f"a row has {max(counts)} query tokens, more than max_query_len={max_query_len}")
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    choice = kernel_loader.choose(storage.device)
+    problem = flash_varlen_problem(storage) if choice.use_custom else choice.reason
+    if problem is None:
+        _check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
+        _check_rows(storage, batch, block_tables, seq_lens, None)
+        kernel_loader.log_choice("paged_attention varlen prefill",
+                                 kernel_loader.KernelChoice(True, "CuPy packed gather + flash varlen"))
+        return _flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale))
+    # Everything else goes through the padded entry point (its checks, its fallback, its logging).
+    padded, row, col = _varlen_to_padded(query, cu_seq_q, max_query_len)
+    query_lens = (cu_seq_q[1:] - cu_seq_q[:-1]).to(torch.int32)
+    out = paged_attention(storage, layer, padded.transpose(1, 2), block_tables, seq_lens, query_lens, scale)
+    return out.transpose(1, 2)[row, col]
+
+
+def _varlen_to_padded(query, cu_seq_q, width):
+    """[N, Hq, D] packed -> [B, width, Hq, D] right-aligned, and each token's (row, column)."""
+    ends = cu_seq_q[1:].long()
+    token = torch.arange(query.shape[0], device=query.device)
+    row = torch.searchsorted(ends, token, right=True)  # ends[row - 1] <= token < ends[row]
+    col = width - (ends[row] - token)
+    padded = query.new_zeros((ends.shape[0], width) + tuple(query.shape[1:]))
+    padded[row, col] = query
+    return padded, row, col
 
 
 def _allowed_keys(seq_lens, query_lens, positions: int, num_keys: int):
@@ -218,7 +295,7 @@ def _gather_cupy(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor
             np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
             np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
             np.uint64(seq_lens.data_ptr()), np.int32(c.num_kv_heads), np.int32(row_bytes // width),
-            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.num_blocks),
+            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
             np.int32(layer)))
     return k, v
 
@@ -241,6 +318,99 @@ def _prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, sca
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     out = out.reshape(batch, heads, positions, head_dim)
     return out.masked_fill(~has_key[:, None, :, None], 0)
+
+
+@functools.cache
+def _flash_problem(device_index: int) -> str | None:
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no flash attention"
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return "flash attention needs sm80 or newer"
+    return None
+
+
+def flash_varlen_problem(storage: PagedKVStorage) -> str | None:
+    """Why the flash varlen prefill cannot run on this cache (None: it can)."""
+    c = storage.config
+    if storage.device.type != "cuda":
+        return f"device is {storage.device}, not CUDA"
+    if c.dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention takes fp16/bf16, the cache is {c.dtype}"
+    if c.head_dim % 8 or c.head_dim > 256:
+        return f"flash attention takes head_dim a multiple of 8 up to 256, got {c.head_dim}"
+    return _flash_problem(storage.device.index)
+
+
+@functools.cache
+def _varlen_api():
+    """torch's public varlen_attn where it takes GQA and a causal window (torch >= 2.11), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"enable_gqa", "window_size", "scale"} <= params.keys() else None
+
+
+def _flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
+    """Causal (bottom-right aligned) attention of packed rows; K/V heads may be fewer (GQA).
+    A query with no key to attend (its row has fewer keys than queries) comes out zero."""
+    api = _varlen_api()
+    if api is not None:
+        return api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    # Older torch: the same flash kernel through its aten op, which has taken GQA all along.
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                    scale=scale)[0]
+
+
+def _gather_packed_cupy(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        cu_k: torch.Tensor, capacity: int):
+    """Every row's K and V end to end, [capacity, kv_heads, D]; row b at cu_k[b]."""
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    k = torch.empty((max(capacity, 1), c.num_kv_heads, c.head_dim), dtype=c.dtype, device=storage.device)
+    v = torch.empty_like(k)
+    if max_blocks == 0 or batch == 0:
+        return k, v
+    row_bytes = c.head_dim * c.dtype_size
+    width = _vector_width(row_bytes)
+    kernel = kernel_loader.get_kernel(_SOURCE, f"gather_kv_packed_v{width}", storage.device)
+    with kernel_loader.on_torch_stream(storage.device):
+        kernel((max_blocks, batch), (_LAUNCH["gather_threads"],), (
+            np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
+            np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
+            np.uint64(seq_lens.data_ptr()), np.uint64(cu_k.data_ptr()), np.int32(c.num_kv_heads),
+            np.int32(row_bytes // width), np.int32(c.block_size), np.int32(storage.chunk_blocks),
+            np.int32(storage.address_blocks), np.int32(layer)))
+    return k, v
+
+
+def _flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen.
+    The gather buffer is sized by the tables (an upper bound), so the host never waits for the
+    lengths; flash reads only each row's cu_k range."""
+    bs = storage.config.block_size
+    capacity = block_tables.shape[0] * block_tables.shape[1] * bs
+    cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    k, v = _gather_packed_cupy(storage, layer, block_tables, seq_lens, cu_k, capacity)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return _flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale)
+
+
+def _prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    """The [B, Hq, T, D] entry point on the flash path: every row packed as T queries (the
+    bottom-right alignment puts padding positions where they belong), zeroed afterwards."""
+    batch, heads, positions, head_dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * positions, heads, head_dim)
+    cu_q = torch.arange(0, (batch + 1) * positions, positions, dtype=torch.int32, device=query.device)
+    out = _flash_over_cache(storage, layer, q, cu_q, positions, block_tables, seq_lens, scale)
+    out = out.view(batch, positions, heads, head_dim).transpose(1, 2)
+    j = torch.arange(positions, device=query.device)[None, :]
+    real = seq_lens.long()[:, None] - positions + j >= 0
+    if query_lens is not None:
+        real &= j >= positions - query_lens.long()[:, None]
+    return out.masked_fill(~real[:, None, :, None], 0)
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -367,7 +537,7 @@ def _decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scal
             ptr(ws_acc), ptr(ws_ml), storage.cupy_chunk_ptrs, ptr(block_tables),
             np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
             np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
-            np.int32(storage.chunk_blocks), np.int32(storage.num_blocks), np.int32(layer),
+            np.int32(storage.chunk_blocks), np.int32(storage.address_blocks), np.int32(layer),
             np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E)),
             shared_mem=plan.smem_bytes)
         if plan.splits > 1:

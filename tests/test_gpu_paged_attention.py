@@ -3,6 +3,7 @@ reference (marked gpu: skipped without CUDA). Run with -s to see the errors of e
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 
@@ -222,3 +223,51 @@ def test_unsupported_head_size_falls_back_with_a_logged_reason(caplog):
     ref = reference(storage, 0, query, tables, seq_lens, None, 0.1)
     assert rel(out, ref) < TOLERANCE[torch.bfloat16]
     assert any("head_dim=72 has no decode kernel" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------- prefill: packed gather + flash varlen
+def test_prefill_positions_before_the_first_token_are_zero():
+    out = run_case([5, 40], kv_heads=2, group=2, head_dim=128, dtype=torch.bfloat16, positions=9, seed=3)
+    assert torch.all(out[0, :, :4] == 0) and torch.all(out[0, :, 4:].abs().sum(-1) > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_varlen_packed_rows_match_the_reference(dtype, group, caplog):
+    lengths = [300, 17, 0, 1000, 64, 1, 2000]
+    counts = [300, 5, 0, 1, 64, 1, 700]
+    storage, tables, seq_lens = make_batch(lengths, kv_heads=2, head_dim=128, dtype=dtype, seed=group)
+    width = max(counts)
+    gen = torch.Generator(device="cuda").manual_seed(group)
+    query = torch.randn(len(lengths), 2 * group, width, 128, generator=gen, device="cuda").to(dtype)
+    packed = torch.cat([query[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
+    cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
+    scale = 1 / math.sqrt(128)
+    with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        out = pa.paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale)
+    ref = reference(storage, 1, query, tables, seq_lens, torch.tensor(counts, device="cuda"), scale)
+    ref = torch.cat([ref[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
+    err = rel(out, ref)
+    print(f"\n  varlen {dtype} G={group}: rel={err:.2e}", end="")
+    assert out.shape == packed.shape and err < TOLERANCE[dtype]
+    assert any("varlen prefill: custom kernel (CuPy packed gather + flash varlen)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_packed_gather_matches_the_fallback_gather_bit_for_bit():
+    lengths = [5, 300, 0, 64]
+    storage, tables, seq_lens = make_batch(lengths, kv_heads=4, head_dim=96, dtype=torch.float16)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    k, v = pa._gather_packed_cupy(storage, 1, tables, seq_lens, cu, capacity=sum(lengths))
+    k_ref, v_ref = pa._gather_torch(storage, 1, tables, seq_lens)  # [B, H, L, D]
+    for got, want in ((k, k_ref), (v, v_ref)):
+        rows = torch.cat([want[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
+        assert torch.equal(got[: sum(lengths)].view(torch.int16), rows.view(torch.int16))
+
+
+def test_fp32_prefill_says_why_it_cannot_use_flash(caplog):
+    storage, tables, seq_lens = make_batch([40, 3], kv_heads=1, head_dim=64, dtype=torch.float32)
+    query = torch.randn(2, 2, 3, 64, device="cuda")
+    with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    assert any("masked SDPA: flash attention takes fp16/bf16" in r.getMessage() for r in caplog.records)

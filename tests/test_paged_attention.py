@@ -5,6 +5,7 @@ Rows grow by appends in turn, so their blocks interleave and spread over several
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import random
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 from ponytail import CacheConfig, KernelError, PagedKVCache
 from ponytail import kernel_loader
-from ponytail.paged_attention import _decode_choice, paged_attention, plan_splits
+from ponytail.paged_attention import _decode_choice, paged_attention, paged_attention_varlen, plan_splits
 from cache_machine import kernels
 
 LAYERS = 2
@@ -199,6 +200,48 @@ def test_split_plan_covers_the_table_and_fills_the_waves():
     assert plan_splits(396, 4096, 16, resident_ctas=396) == (1, 4096)
     splits, _ = plan_splits(4, 32768, 16, resident_ctas=396)
     assert 4 * splits <= 396 and 4 * splits >= 300
+
+
+# ------------------------------------------------------------------------------------- varlen
+def pack(query, counts):
+    """[B, Hq, T, D] right-aligned rows -> the engine's packed [N, Hq, D] and cu_seq_q."""
+    positions = query.shape[2]
+    parts = [query[b, :, positions - n :].transpose(0, 1) for b, n in enumerate(counts)]
+    cu = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32)
+    return torch.cat(parts), cu
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1], [5, 1, 17], [0, 9, 3], [16, 16, 16]])
+def test_varlen_matches_naive_row_by_row(counts):
+    batch = Batch([20, 45, 17], kv_heads=2, head_dim=64, block_size=8, seed=sum(counts))
+    width = max(counts)
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(3, 6, width, 64, generator=gen)
+    packed, cu = pack(query, counts)
+    with kernels("torch"):
+        out = paged_attention_varlen(batch.storage, 1, packed, cu, width, batch.block_tables, batch.seq_lens, 0.125)
+    query_lens = torch.tensor(counts, dtype=torch.int32)
+    ref, _ = pack(naive_attention(batch, 1, query, query_lens, 0.125), counts)
+    assert out.shape == packed.shape
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(query=torch.randn(2, 4, 1, 64)), r"query must be \[tokens, query heads, head_dim\]"),
+    (dict(cu=torch.tensor([0, 3, 4])), r"cu_seq_q must be int32 \[batch \+ 1 = 3\]"),
+    (dict(cu=torch.tensor([0, 3], dtype=torch.int32)), r"cu_seq_q must be int32 \[batch \+ 1 = 3\]"),
+    (dict(cu=torch.tensor([0, 3, 5], dtype=torch.int32)), r"must rise from 0 to the 4 query tokens"),
+    (dict(cu=torch.tensor([0, 5, 4], dtype=torch.int32)), r"must rise from 0 to the 4 query tokens"),
+    (dict(width=2), r"a row has 3 query tokens, more than max_query_len=2"),
+    (dict(width=0), r"max_query_len=0 must be a positive int"),
+    (dict(query=torch.randn(4, 3, 64)), "3 heads, not a positive multiple of the cache's 2 KV heads"),
+])
+def test_varlen_bad_arguments_raise_clear_errors(small, change, message):
+    query = change.get("query", torch.randn(4, 4, 64))
+    cu = change.get("cu", torch.tensor([0, 3, 4], dtype=torch.int32))
+    with pytest.raises(KernelError, match=message):
+        paged_attention_varlen(small.storage, 0, query, cu, change.get("width", 3), small.block_tables,
+                               small.seq_lens, 0.125)
 
 
 # ------------------------------------------------------------------------------------- errors
