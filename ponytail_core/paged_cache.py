@@ -54,7 +54,7 @@ class PagedKVCache:
         self.config = config
         chunk_blocks = config.pool_chunk_blocks
         self.max_chunks = config.max_num_blocks // chunk_blocks
-        self.storage = PagedKVStorage(config, chunk_blocks)
+        self.storage = PagedKVStorage(config, chunk_blocks, self.max_chunks)
         self.allocator = BlockAllocator(0, config.block_size)
         self.num_defragmentations = 0  # compactions that moved at least one block
         self.num_blocks_moved = 0  # blocks those compactions copied

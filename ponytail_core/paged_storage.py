@@ -5,6 +5,11 @@ of shape [num_layers, 2, chunk_blocks, block_size, num_kv_heads, head_dim]; inde
 K, 1 is V. Growing the pool adds a chunk, shrinking drops chunks from the tail: nothing is ever
 reallocated or copied to change the pool's size. Kernels reach the chunks through a device table
 of base pointers, and CuPy sees each chunk as a zero-copy view of the same memory.
+
+The pointer table has room for `max_chunks` chunks from the start and is rewritten in place, so
+its address and the block-id bound kernels clamp against (`address_blocks`) never change while
+the pool grows and shrinks: CUDA graphs captured with them stay valid. Entries past the live
+chunks point at chunk 0, so even a bad block id reads memory the pool owns.
 """
 
 from __future__ import annotations
@@ -15,14 +20,15 @@ from .config import CacheConfig
 
 
 class PagedKVStorage:
-    def __init__(self, config: CacheConfig, chunk_blocks: int):
+    def __init__(self, config: CacheConfig, chunk_blocks: int, max_chunks: int = 1):
         self.config = config
         self.chunk_blocks = chunk_blocks
         self.device = config.device
         self.chunks: list[torch.Tensor] = []
         self.cupy_views: list = []  # zero-copy CuPy views, one per chunk (CUDA with CuPy only)
         self.cupy_chunk_ptrs = None  # zero-copy CuPy view of chunk_ptrs: the kernels' argument
-        self.chunk_ptrs = torch.empty(0, dtype=torch.int64, device=self.device)
+        self.chunk_ptrs = torch.zeros(max(1, max_chunks), dtype=torch.int64, device=self.device)
+        self.ptr_table_version = 0  # bumped when the table moves (more chunks than it had room for)
 
     # --------------------------------------------------------------- layout
     @property
@@ -33,6 +39,11 @@ class PagedKVStorage:
     @property
     def num_blocks(self) -> int:
         return len(self.chunks) * self.chunk_blocks
+
+    @property
+    def address_blocks(self) -> int:
+        """Block ids below this are safe to dereference (the bound kernels clamp against)."""
+        return len(self.chunk_ptrs) * self.chunk_blocks if self.chunks else 0
 
     @property
     def chunk_bytes(self) -> int:
@@ -66,16 +77,23 @@ class PagedKVStorage:
             torch.cuda.empty_cache()
 
     def _refresh_views(self) -> None:
-        self.cupy_views, self.cupy_chunk_ptrs = [], None
-        self.chunk_ptrs = torch.tensor([t.data_ptr() for t in self.chunks], dtype=torch.int64,
-                                       device=self.device)
+        pointers = [t.data_ptr() for t in self.chunks]
+        if len(pointers) > len(self.chunk_ptrs):  # beyond the room planned for: a new table
+            self.chunk_ptrs = torch.zeros(len(pointers), dtype=torch.int64, device=self.device)
+            self.ptr_table_version += 1
+            self.cupy_chunk_ptrs = None
+        padding = pointers[:1] * (len(self.chunk_ptrs) - len(pointers)) if pointers else [0] * len(self.chunk_ptrs)
+        # In place and stream-ordered: kernels queued earlier still read the old entries.
+        self.chunk_ptrs.copy_(torch.tensor(pointers + padding, dtype=torch.int64))
+        self.cupy_views = []
         if self.device.type == "cuda" and self.chunks:
             try:
                 import cupy
             except Exception:
                 return  # the fallback runs; kernel_loader logs why
             self.cupy_views = [cupy.from_dlpack(t.detach()) for t in self.chunks]
-            self.cupy_chunk_ptrs = cupy.from_dlpack(self.chunk_ptrs)
+            if self.cupy_chunk_ptrs is None:
+                self.cupy_chunk_ptrs = cupy.from_dlpack(self.chunk_ptrs)
 
     # ------------------------------------------------------------- access
     def locate(self, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

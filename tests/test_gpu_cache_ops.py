@@ -78,7 +78,23 @@ def test_cupy_views_share_the_torch_memory():
         view[0, 0, 0, 0, 0, 0] = 7.0
         torch.cuda.synchronize()
         assert chunk[0, 0, 0, 0, 0, 0].item() == 7.0
-    assert cupy.asnumpy(cache.storage.cupy_chunk_ptrs).tolist() == [c.data_ptr() for c in cache.storage.chunks]
+    table = cupy.asnumpy(cache.storage.cupy_chunk_ptrs).tolist()
+    live = [c.data_ptr() for c in cache.storage.chunks]
+    assert table[: len(live)] == live and set(table[len(live) :]) <= {live[0]}
+
+
+def test_pointer_table_stays_put_while_the_pool_grows_and_shrinks():
+    """CUDA graphs bake the table's address and address_blocks in: neither may move."""
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=1,
+                         max_seq_len=64 * 16, chunk_blocks=16, device="cuda")
+    cache = PagedKVCache(config, initial_chunks=1)
+    table, bound, version = cache.storage.chunk_ptrs.data_ptr(), cache.storage.address_blocks, \
+        cache.storage.ptr_table_version
+    cache.grow(cache.max_chunks - cache.num_chunks)
+    cache.shrink()
+    assert cache.storage.chunk_ptrs.data_ptr() == table and cache.storage.address_blocks == bound
+    assert cache.storage.ptr_table_version == version
+    assert cache.storage.cupy_chunk_ptrs.data.ptr == table
 
 
 def test_custom_kernel_is_chosen_and_logged(caplog, monkeypatch):
