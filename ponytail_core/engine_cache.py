@@ -1,8 +1,10 @@
 """The transformers `Cache` the engine drives: one packed forward pass per step.
 
 Every scheduled request's new tokens are packed into one [1, N] batch (no padding in the model's
-matmuls). Attention then splits them again: single-token chunks (decode) go to the paged decode
-kernel together; longer chunks (prefill, chunked prefill, recompute) go to the chunk path.
+matmuls): decode tokens first, one per row, then the prefill chunks end to end. Attention splits
+them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
+chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
+context.
 """
 
 from __future__ import annotations
@@ -11,28 +13,39 @@ from dataclasses import dataclass
 
 import torch
 
-from .hf_cache import PagedCacheBase, attention_without_context
-from .paged_attention import paged_attention
+from .hf_cache import PagedCacheBase
+from .paged_attention import paged_attention, paged_attention_varlen
 
 
 @dataclass(slots=True)
-class ChunkGroup:
-    """Chunks attended together: positions in the packed batch, left-padded to one width."""
+class DecodeRows:
+    """Packed positions 0 .. rows - 1: one new token per row."""
 
-    index: torch.Tensor  # [rows, width] int64 positions in the packed batch (padding: 0)
-    valid: torch.Tensor  # [rows, width] bool, real positions (right-aligned)
     block_tables: torch.Tensor  # [rows, max_blocks] int32
-    seq_lens: torch.Tensor  # [rows] int32: tokens in the cache after this step
-    query_lens: torch.Tensor  # [rows] int32: real positions per row
-    has_context: bool  # some row had tokens in the cache before this step
+    seq_lens: torch.Tensor  # [rows] int32: tokens in the cache after this step (0: a padding row)
+
+    @property
+    def rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(slots=True)
+class PrefillChunks:
+    """Packed positions start .. N - 1: the chunks end to end."""
+
+    start: int
+    cu_seq_q: torch.Tensor  # [chunks + 1] int32, cumulative chunk lengths from 0
+    max_query_len: int
+    block_tables: torch.Tensor  # [chunks, max_blocks] int32
+    seq_lens: torch.Tensor  # [chunks] int32
 
 
 @dataclass(slots=True)
 class PackedStep:
     num_tokens: int  # N
-    slot_mapping: torch.Tensor  # [N] int64
-    decode: ChunkGroup | None  # width 1
-    prefill: ChunkGroup | None
+    slot_mapping: torch.Tensor  # [N] int64 (-1: padding, nothing written)
+    decode: DecodeRows | None
+    prefill: PrefillChunks | None
 
 
 class PackedStepCache(PagedCacheBase):
@@ -46,24 +59,18 @@ class PackedStepCache(PagedCacheBase):
             self.check_model(module, query, key, sliding_window)
         self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
-        out = torch.empty_like(q_tok)
         storage = self.paged.storage
+        parts = []
         if step.decode is not None:
-            group = step.decode
-            index = group.index[:, 0]
-            q = q_tok.index_select(0, index).unsqueeze(2)  # [rows, Hq, 1, D]
-            result = paged_attention(storage, layer_idx, q, group.block_tables, group.seq_lens, None, scale)
-            out.index_copy_(0, index, result[:, :, 0])
+            rows = step.decode.rows
+            q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
+            out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens, None, scale)
+            parts.append(out[:, :, 0])
         if step.prefill is not None:
-            group = step.prefill
-            q = q_tok[group.index].transpose(1, 2)  # [rows, Hq, width, D]
-            if group.has_context:
-                result = paged_attention(storage, layer_idx, q, group.block_tables, group.seq_lens,
-                                         group.query_lens, scale)
-            else:  # every chunk starts its sequence: its own K/V are the whole context
-                k = key[0].transpose(0, 1)[group.index].transpose(1, 2)
-                v = value[0].transpose(0, 1)[group.index].transpose(1, 2)
-                result = attention_without_context(q, k, v, group.valid, scale)
-            out[group.index[group.valid]] = result.transpose(1, 2)[group.valid]
+            chunks = step.prefill
+            parts.append(paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
+                                                chunks.max_query_len, chunks.block_tables, chunks.seq_lens,
+                                                scale))
         self._awaiting_attention = None
-        return out.unsqueeze(0)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.unsqueeze(0)  # [1, N, Hq, D]

@@ -5,66 +5,90 @@ from __future__ import annotations
 import torch
 
 from . import hf_attention
-from .engine_cache import ChunkGroup, PackedStep, PackedStepCache
+from .engine_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks
 from .paged_cache import PagedKVCache
 from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache):
+    """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only)."""
+
+    def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
+                 cuda_graphs: bool = False):
         self.model = model
         self.device = cache.config.device
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
         self.hf_cache = PackedStepCache(cache)
         self.block_size = cache.config.block_size
+        self.graphs = None
+        if cuda_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, -(-max_model_len // self.block_size))
+                self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order."""
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        ordered = decode + prefill  # the packed layout PackedStepCache expects
+        offsets, total = {}, 0
+        for chunk in ordered:
+            offsets[id(chunk)] = total
+            total += chunk.num_tokens
+        sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
+        allocator = self.hf_cache.paged.allocator
+        tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
+                  for c in ordered]
+        if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
+            logits = self.graphs.run([c.request.all_token_ids[c.start] for c in decode], [c.start for c in decode],
+                                     [c.slots[0] for c in decode], tables, [c.start + 1 for c in decode])
+            return self._pick(logits, sample_at).float()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        sample_at: list[int] = []
-        decode, prefill = [], []
-        for chunk in chunks:
-            offset = len(input_ids)
-            tokens = chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            input_ids.extend(tokens)
+        for chunk in ordered:
+            input_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens])
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             slots.extend(chunk.slots)
-            (decode if chunk.num_tokens == 1 else prefill).append((chunk, offset))
-            if chunk.samples:
-                sample_at.append(offset + chunk.num_tokens - 1)
         self.hf_cache.step = PackedStep(
-            num_tokens=len(input_ids), slot_mapping=self._tensor(slots, torch.int64),
-            decode=self._group(decode), prefill=self._group(prefill))
+            num_tokens=total, slot_mapping=self._tensor(slots, torch.int64),
+            decode=self._decode_rows(decode, tables[: len(decode)]),
+            prefill=self._prefill_chunks(prefill, tables[len(decode) :], start=len(decode)))
         out = self.model(input_ids=self._tensor(input_ids, torch.int64)[None],
                          position_ids=self._tensor(positions, torch.int64)[None],
                          cache=self.hf_cache, use_cache=True,
                          logits_to_keep=self._tensor(sample_at, torch.int64))
         return out.logits[0].float()
 
-    def _group(self, members: list[tuple[ScheduledChunk, int]]) -> ChunkGroup | None:
+    @staticmethod
+    def _pick(logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
+        if sample_at == list(range(len(sample_at))):
+            return logits[: len(sample_at)]
+        return logits[torch.tensor(sample_at, device=logits.device)]
+
+    def _decode_rows(self, members: list[ScheduledChunk], tables: list[list[int]]) -> DecodeRows | None:
         if not members:
             return None
-        width = max(chunk.num_tokens for chunk, _ in members)
-        index, valid, tables, seq_lens, query_lens = [], [], [], [], []
-        allocator = self.hf_cache.paged.allocator
-        for chunk, offset in members:
-            pad = width - chunk.num_tokens
-            index.append([0] * pad + list(range(offset, offset + chunk.num_tokens)))
-            valid.append([False] * pad + [True] * chunk.num_tokens)
-            end = chunk.start + chunk.num_tokens
-            tables.append(allocator.block_table(chunk.request.request_id)[: -(-end // self.block_size)])
-            seq_lens.append(end)
-            query_lens.append(chunk.num_tokens)
-        max_blocks = max(len(t) for t in tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in tables]
-        return ChunkGroup(
-            index=self._tensor(index, torch.int64), valid=self._tensor(valid, torch.bool),
-            block_tables=self._tensor(tables, torch.int32), seq_lens=self._tensor(seq_lens, torch.int32),
-            query_lens=self._tensor(query_lens, torch.int32),
-            has_context=any(chunk.start > 0 for chunk, _ in members))
+        return DecodeRows(block_tables=self._table(tables),
+                          seq_lens=self._tensor([c.start + 1 for c in members], torch.int32))
+
+    def _prefill_chunks(self, members: list[ScheduledChunk], tables: list[list[int]],
+                        start: int) -> PrefillChunks | None:
+        if not members:
+            return None
+        cu = [0]
+        for chunk in members:
+            cu.append(cu[-1] + chunk.num_tokens)
+        return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
+                             max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
+                             seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32))
+
+    def _table(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(t) for t in tables))
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype)

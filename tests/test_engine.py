@@ -200,3 +200,18 @@ def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     for output in outputs:
         metrics.on_finished(output)
     assert metrics._last == llm.stats()
+
+
+def test_cuda_graph_batch_sizes_cover_every_batch():
+    from ponytail.cuda_graphs import graph_batch_sizes
+
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    sizes = graph_batch_sizes(100)
+    assert sizes[-1] == 100 and all(any(s >= n for s in sizes) for n in range(1, 101))
+
+
+def test_cuda_graphs_on_a_cpu_model_is_a_clear_error(small_model):
+    with pytest.raises(ConfigError, match="cuda_graphs=True needs a CUDA device; the model is on cpu"):
+        ponytail.LLM(small_model[0], kv_cache_memory="4MiB", cuda_graphs=True)
