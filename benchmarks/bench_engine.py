@@ -2,17 +2,24 @@
 
     python benchmarks/bench_engine.py --small                    # CPU, the embedded default model
     python benchmarks/bench_engine.py --requests 64 --prompt-len 512 --output-len 1024   # H200, 7B-shaped
+    python benchmarks/bench_engine.py --requests 32 --prompt-len 2048 --output-len 2048 --peers ponytail
+    python benchmarks/bench_engine.py --peers ponytail --capacity 40GiB   # concurrency in a fixed KV budget
 
 Peers: plain `model.generate` on the whole batch, transformers' continuous batching
 (`generate_batch`), and `ponytail.LLM`. Greedy outputs are compared first (on the CPU in fp32
 they must agree exactly; in bf16 on random weights the first tokens must). Then each peer is timed
 on the same requests with EOS ignored: output tokens/s, time to first token and time per output
 token (p50/p99), and peak device memory above the weights.
+
+--capacity BUDGET runs Ponytail alone with that KV budget on more requests than fit at once and
+reports the most sequences it ran concurrently, against what a cache preallocated per sequence
+at max_seq_len (--capacity-max-len) holds in the same budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import statistics
@@ -24,6 +31,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.units import format_bytes, parse_bytes
 
 
 def seven_b_model(device) -> torch.nn.Module:
@@ -37,6 +45,8 @@ def seven_b_model(device) -> torch.nn.Module:
             model = LlamaForCausalLM(config)
         finally:
             torch.set_default_dtype(previous)
+    with torch.no_grad():  # sharp logits: greedy comparisons are not decided by bf16 rounding of near ties
+        model.lm_head.weight.mul_(20)
     return model.eval()
 
 
@@ -60,6 +70,7 @@ def peak_above(device, weights_bytes):
 
 
 def reset_peak(device):
+    gc.collect()  # an earlier peer's cache and graphs go before the next one is measured
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -139,6 +150,31 @@ def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory
     return result, [o.token_ids for o in outputs], llm
 
 
+def run_capacity(model, tokenizer, args, device, budget) -> dict:
+    """Most sequences running at once in a fixed KV budget, against per-sequence preallocation."""
+    budget_bytes = parse_bytes(budget, "--capacity")
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=budget_bytes, max_num_seqs=512,
+                       max_model_len=args.capacity_max_len, max_num_batched_tokens=8192)
+    per_token = llm.engine.cache.config.bytes_per_token
+    preallocated = budget_bytes // (args.capacity_max_len * per_token)
+    fit_at_full_length = budget_bytes // ((args.prompt_len + args.output_len) * per_token)
+    n = int(fit_at_full_length * 1.5) + 8
+    params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
+    engine = llm.engine
+    for prompt in prompts(n, args.prompt_len, model.config.vocab_size, seed=7):
+        engine.add_request(prompt, params)
+    peak_running, steps, t0 = 0, 0, time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        peak_running = max(peak_running, len(engine.scheduler.running))
+    stats = engine.stats()
+    return {"budget_bytes": budget_bytes, "max_seq_len": args.capacity_max_len, "requests": n,
+            "peak_running": peak_running, "preallocated_fit": preallocated,
+            "fit_at_full_length": fit_at_full_length, "preemptions": stats.num_preemptions,
+            "seconds": time.perf_counter() - t0, "used_blocks_after": stats.used_blocks}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU-sized: the default model, 8 requests")
@@ -148,6 +184,8 @@ def main() -> int:
     parser.add_argument("--peers", default="plain,generate_batch,ponytail")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
+    parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
+    parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.small:
@@ -195,6 +233,8 @@ def main() -> int:
     if "ponytail" in peers:
         results.append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights, args.kv_memory)[0])
 
+    capacity = run_capacity(model, tokenizer, args, device, args.capacity) if args.capacity else None
+
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "requests": args.requests, "prompt_len": args.prompt_len,
            "output_len": args.output_len}
@@ -213,9 +253,16 @@ def main() -> int:
         print(f"ponytail KV pool peak {mine['kv_pool_peak_bytes'] / 1e9:.2f} GB; live tokens need "
               f"{mine['kv_live_tokens_need_bytes'] / 1e9:.2f} GB (incl. one block per sequence); "
               f"preemptions {mine['preemptions']}")
+    if capacity:
+        print(f"KV budget {format_bytes(capacity['budget_bytes'])}, {args.prompt_len}+{args.output_len}-token "
+              f"requests: ponytail ran up to {capacity['peak_running']} sequences at once "
+              f"({capacity['preemptions']} preemptions, {capacity['requests']} requests); a cache preallocated "
+              f"at max_seq_len={capacity['max_seq_len']} holds {capacity['preallocated_fit']} "
+              f"({capacity['peak_running'] / max(1, capacity['preallocated_fit']):.2f}x); "
+              f"{capacity['fit_at_full_length']} fit at full length")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "agreement": agreement, "results": results}, f, indent=2)
+            json.dump({"env": env, "agreement": agreement, "results": results, "capacity": capacity}, f, indent=2)
     return 0
 
 
