@@ -150,6 +150,28 @@ def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory
     return result, [o.token_ids for o in outputs], llm
 
 
+def plain_greedy_with_top(model, batch, n_tokens, device, k=5):
+    """Plain generate's greedy tokens and, per step, its top-k token ids."""
+    model.set_attn_implementation("sdpa")
+    ids = torch.tensor(batch, device=device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
+                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                         return_dict_in_generate=True)
+    top = torch.stack(out.logits, dim=1).topk(k, dim=-1).indices  # [B, steps, k]
+    return out.sequences[:, ids.shape[1] :].tolist(), [[set(step) for step in row] for row in top.tolist()]
+
+
+def ponytail_greedy_with_top(model, tokenizer, batch, n_tokens, kv_memory, k=5):
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(batch),
+                       max_model_len=len(batch[0]) + n_tokens)
+    outputs = llm.generate(batch, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True, logprobs=k))
+    tokens = [o.token_ids for o in outputs]
+    top = [[set(sorted(step, key=step.get, reverse=True)[:k]) for step in o.outputs[0].logprobs]
+           for o in outputs]
+    del llm
+    return tokens, top
+
+
 def run_capacity(model, tokenizer, args, device, budget) -> dict:
     """Most sequences running at once in a fixed KV budget, against per-sequence preallocation."""
     budget_bytes = parse_bytes(budget, "--capacity")
@@ -203,22 +225,27 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    # 1. Correctness first: greedy outputs of each peer against plain generate on a few requests.
+    # 1. Correctness first: greedy outputs against plain generate on a few requests. In fp32 on the
+    # CPU they must be identical; in bf16 the two paths round differently, so (as vLLM's own tests
+    # do) the first differing token must be among the other side's top-5 at that step: a near tie.
     check = batch[: min(4, len(batch))]
-    _, reference = run_plain(model, check, args.check_tokens, device, weights)
-    agreement = {}
-    _, ours, llm = run_ponytail(model, tokenizer, check, args.check_tokens, device, weights, args.kv_memory)
-    del llm
+    reference, reference_top = plain_greedy_with_top(model, check, args.check_tokens, device)
+    ours, ours_top = ponytail_greedy_with_top(model, tokenizer, check, args.check_tokens, args.kv_memory)
     exact = device.type == "cpu"
-    for name, outs in (("ponytail", ours),):
-        same = [a[: args.check_tokens] == b[: args.check_tokens] for a, b in zip(outs, reference)]
-        prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(outs, reference)]
-        agreement[name] = {"identical": sum(same), "of": len(same), "first_divergence": prefix}
-        if exact:
-            assert all(same), f"{name} greedy output differs from plain generate: {prefix}"
-        else:
-            assert min(prefix) >= 4, f"{name} diverges from plain generate within 4 tokens: {prefix}"
-    print(f"greedy agreement with plain generate over {args.check_tokens} tokens: {agreement}")
+    divergence = []
+    for row, (a, b) in enumerate(zip(ours, reference)):
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        divergence.append(at)
+        if at is None:
+            continue
+        assert not exact, f"ponytail greedy output differs from plain generate (row {row}, token {at})"
+        assert a[at] in reference_top[row][at] and b[at] in ours_top[row][at], (
+            f"row {row} token {at}: ponytail chose {a[at]}, plain generate {b[at]}, and neither is in the "
+            f"other's top-5 ({ours_top[row][at]} / {reference_top[row][at]}): not a near tie")
+    agreement = {"ponytail": {"identical": divergence.count(None), "of": len(divergence),
+                              "first_divergence": divergence}}
+    print(f"greedy agreement with plain generate over {args.check_tokens} tokens "
+          f"(None: identical; else the step of a top-5 near tie): {agreement}")
 
     # 2. Timing, same requests for every peer.
     results = []

@@ -400,17 +400,17 @@ def _flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, sc
 
 def _prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
     """The [B, Hq, T, D] entry point on the flash path: every row packed as T queries (the
-    bottom-right alignment puts padding positions where they belong), zeroed afterwards."""
+    bottom-right alignment puts padding positions where they belong); padding zeroed afterwards."""
     batch, heads, positions, head_dim = query.shape
     q = query.transpose(1, 2).reshape(batch * positions, heads, head_dim)
     cu_q = torch.arange(0, (batch + 1) * positions, positions, dtype=torch.int32, device=query.device)
     out = _flash_over_cache(storage, layer, q, cu_q, positions, block_tables, seq_lens, scale)
     out = out.view(batch, positions, heads, head_dim).transpose(1, 2)
+    if query_lens is None:  # flash already gives zeros where a position has no key
+        return out
     j = torch.arange(positions, device=query.device)[None, :]
-    real = seq_lens.long()[:, None] - positions + j >= 0
-    if query_lens is not None:
-        real &= j >= positions - query_lens.long()[:, None]
-    return out.masked_fill(~real[:, None, :, None], 0)
+    padding = j < positions - query_lens.long()[:, None]
+    return out.masked_fill(padding[:, None, :, None], 0)
 
 
 # ----------------------------------------------------------------------------------- decode
