@@ -131,4 +131,8 @@ def build(args: dict | None = None):
     engine_args = {k: v for k, v in asdict(settings).items()
                    if k in ("model", "model_id", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size")}
     engine_args["device"] = "cuda" if gpu else "cpu"
-    return OpenAIIngress.bind(engine.bind(**engine_args))
+    # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
+    # holds its slot while it streams): let the ingress take what the engines can run and queue.
+    ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.max_num_seqs * 2
+                                    + settings.max_queued_requests)
+    return ingress.bind(engine.bind(**engine_args))
