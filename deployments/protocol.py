@@ -6,7 +6,10 @@ Plain dataclasses: they cross Ray handles (pickled) and carry no Ray or FastAPI 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ponytail import EngineStats
 
 
 @dataclass(slots=True)
@@ -44,6 +47,17 @@ class ModelInfo:
     block_size: int
     device: str
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
+
+
+@dataclass(slots=True)
+class ReplicaReport:
+    """One engine replica's state in one answer (EngineReplica.report): for operators, tests, benchmarks."""
+
+    replica: str  # the replica's Ray actor name
+    info: ModelInfo  # model, device and device UUID
+    routing: dict[str, Any]  # what record_routing_stats() returns now: the numbers the router reads
+    num_requests: int  # generate calls this replica has taken since it started
+    stats: EngineStats  # the engine's counters (blocks, running, waiting, preemptions, ...)
 
 
 # Keys of a replica's record_routing_stats() dict, read by the router.

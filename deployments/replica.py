@@ -14,7 +14,7 @@ from ponytail import SamplingParams
 
 from .metrics import ReplicaMetrics
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
-                       STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo)
+                       STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 
@@ -35,9 +35,11 @@ class EngineReplica:
                               device=str(config.device), device_uuid=_device_uuid(config.device))
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
+        self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
+        self.num_requests += 1
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         prompt = request.prompt
         if request.messages is not None:
@@ -74,7 +76,12 @@ class EngineReplica:
 
     def engine_stats(self) -> tuple[str, ponytail.EngineStats]:
         """(this replica's actor name, engine stats): for operators and tests."""
-        return ray.get_runtime_context().get_actor_name() or "local", self.llm.stats()
+        return _actor_name(), self.llm.stats()
+
+    def report(self) -> ReplicaReport:
+        """Name, model and device, routing stats, requests taken and engine stats, read together."""
+        return ReplicaReport(replica=_actor_name(), info=self.info, routing=self.record_routing_stats(),
+                             num_requests=self.num_requests, stats=self.llm.stats())
 
     def _blocks_promised_to_waiting(self) -> int:
         """Blocks the queued requests will take: free blocks they will claim are not free to others."""
@@ -90,6 +97,10 @@ class EngineReplica:
     def _max_blocks(self) -> int:
         cache = self.llm.engine.cache
         return cache.max_chunks * cache.storage.chunk_blocks
+
+
+def _actor_name() -> str:
+    return ray.get_runtime_context().get_actor_name() or "local"
 
 
 def _in_serve() -> bool:
