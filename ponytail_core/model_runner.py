@@ -43,14 +43,15 @@ class ModelRunner:
         tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
                   for c in ordered]
         if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
-            logits = self.graphs.run([c.request.all_token_ids[c.start] for c in decode], [c.start for c in decode],
-                                     [c.slots[0] for c in decode], tables, [c.start + 1 for c in decode])
+            logits = self.graphs.run([c.request.token_slice(c.start, c.start + 1)[0] for c in decode],
+                                     [c.start for c in decode], [c.slots[0] for c in decode], tables,
+                                     [c.start + 1 for c in decode])
             return self._pick(logits, sample_at).float()
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         for chunk in ordered:
-            input_ids.extend(chunk.request.all_token_ids[chunk.start : chunk.start + chunk.num_tokens])
+            input_ids.extend(chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens))
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             slots.extend(chunk.slots)
         self.hf_cache.step = PackedStep(

@@ -50,6 +50,16 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (hot in every step)."""
+        prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : end - prompt]
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -109,7 +109,7 @@ class Scheduler:
         held = self.cache.seq_len(request.request_id)
         if held == request.num_tokens:
             return True
-        return bool(self.cache.append(request.request_id, request.all_token_ids[held:]))
+        return bool(self.cache.append(request.request_id, request.token_slice(held)))
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -215,3 +215,14 @@ def test_cuda_graph_batch_sizes_cover_every_batch():
 def test_cuda_graphs_on_a_cpu_model_is_a_clear_error(small_model):
     with pytest.raises(ConfigError, match="cuda_graphs=True needs a CUDA device; the model is on cpu"):
         ponytail.LLM(small_model[0], kv_cache_memory="4MiB", cuda_graphs=True)
+
+
+def test_token_slice_matches_all_token_ids():
+    from ponytail.request import Request
+
+    request = Request(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3], params=SamplingParams(),
+                      eos_token_ids=frozenset(), output_token_ids=[4, 5])
+    for start in range(6):
+        for end in range(start, 6):
+            assert request.token_slice(start, end) == request.all_token_ids[start:end]
+        assert request.token_slice(start) == request.all_token_ids[start:]
