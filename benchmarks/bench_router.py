@@ -1,17 +1,26 @@
 """The KV-block router against Serve's default power-of-two router, same workload, one run.
 
-    python benchmarks/bench_router.py                 # two GPUs: one engine replica per GPU, 4k-token long prompts
-    python benchmarks/bench_router.py --small         # CPU sanity run: two CPU replicas, small sizes
+    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random   # two GPUs, one replica each
+    python benchmarks/bench_router.py --small                                # CPU sanity run, default model
 
 Two Serve apps with identical engine replicas differ only in their request router. Each gets the
-same skewed workload (a share of long prompts among short ones, arriving in bursts) through the
-OpenAI API; the script prints throughput, p50/p99 time to first token, failed requests and the
-replicas' preemptions, and writes JSON with --json.
+same skewed workload through the OpenAI API: long prompts (4k tokens on GPUs) among short ones,
+arriving in bursts, ignore_eos so every request decodes max_tokens. Each replica's KV pool is
+sized from the model's shape to hold only --long-per-replica long requests plus one burst of short
+ones, so where the long prompts land decides who waits. Prompts are sent as token ids cut to an
+exact length with the model's own tokenizer: both routers see their true size (for text the
+KV-block router estimates ~3 characters per token).
+
+Prints the KV budget, then per router: throughput (completion tokens/s), p50/p99 time to first
+token, failed requests, preemptions, and requests and prompt tokens taken by each replica; writes
+JSON with --json. --model: a local checkpoint (random_checkpoint.py builds one for the GPU
+machine); default: the embedded SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -24,10 +33,15 @@ import time
 import openai
 import ray
 from ray import serve
+from transformers import AutoConfig, AutoTokenizer
 
+import ponytail
 from deployments.app import build
+from deployments.reports import replica_reports
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "SmolLM2-135M-Instruct"  # the model_id both apps serve, whatever the checkpoint
+WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+BLOCK = 16
 
 
 def free_port() -> int:
@@ -36,14 +50,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workload(n, long_share, long_len, short_len, seed=0):
+def prompt_ids(tokenizer, length, rng) -> list[int]:
+    """`length` token ids of random words: every word is at least one token, so `length` words suffice."""
+    ids = tokenizer(" ".join(rng.choice(WORDS) for _ in range(length)), add_special_tokens=False).input_ids
+    assert len(ids) >= length, (len(ids), length)
+    return ids[:length]
+
+
+def workload(tokenizer, n, long_share, long_len, short_len, seed):
     rng = random.Random(seed)
-    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
-    prompts = []
-    for _ in range(n):
-        length = long_len if rng.random() < long_share else short_len
-        prompts.append(" ".join(rng.choice(words) for _ in range(length)))  # ~1 token per word
-    return prompts
+    return [prompt_ids(tokenizer, long_len if rng.random() < long_share else short_len, rng) for _ in range(n)]
+
+
+def kv_budget(model_dir, device, long_per_replica, sizes) -> dict:
+    """Bytes per replica for `long_per_replica` long requests plus one burst of short ones, whole blocks."""
+    dtype = "bf16" if device == "cuda" else "fp32"  # what ponytail.LLM loads the model in there
+    config = ponytail.CacheConfig.from_model(AutoConfig.from_pretrained(model_dir, local_files_only=True),
+                                             max_seq_len=sizes["max_model_len"], block_size=BLOCK, device="cpu")
+    config = dataclasses.replace(config, dtype=dtype)  # the shape from the checkpoint, the dtype of the engine
+    tokens = (long_per_replica * (sizes["long_len"] + sizes["max_tokens"])
+              + sizes["burst"] * (sizes["short_len"] + sizes["max_tokens"]))
+    blocks = -(-tokens // BLOCK)
+    return {"bytes": blocks * config.block_bytes, "tokens": blocks * BLOCK, "blocks": blocks,
+            "bytes_per_token": config.bytes_per_token, "dtype": dtype}
 
 
 def run_load(base_url, prompts, max_tokens, burst, gap_s):
@@ -52,15 +81,16 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s):
 
     def one(index, prompt):
         start = time.perf_counter()
-        first = None
+        first, tokens = None, 0
         try:
             stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
-                                               temperature=0, extra_body={"ignore_eos": True})
-            tokens = 0
+                                               temperature=0, stream_options={"include_usage": True},
+                                               extra_body={"ignore_eos": True})
             for chunk in stream:
                 if first is None and chunk.choices and chunk.choices[0].text:
                     first = time.perf_counter() - start
-                tokens += 1
+                if chunk.usage is not None:
+                    tokens = chunk.usage.completion_tokens
             results[index] = {"ok": True, "ttft": first, "end": time.perf_counter(), "tokens": tokens}
         except Exception as exc:  # counted as a failure, not hidden
             results[index] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
@@ -85,62 +115,92 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s):
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None}
 
 
-def preemptions(app_name):
-    handle = serve.get_deployment_handle("EngineReplica", app_name=app_name)
-    seen = {}
-    for _ in range(40):
-        name, stats = handle.engine_stats.remote().result()
-        seen[name] = stats.num_preemptions
-        if len(seen) == 2:
-            break
-    return sum(seen.values())
+def replica_counters(app_name) -> dict[str, tuple[int, int, int]]:
+    """{replica: (requests taken, prompt tokens admitted, preemptions)} so far."""
+    return {name: (r.num_requests, r.stats.prefix_cache_queries, r.stats.num_preemptions)
+            for name, r in replica_reports(app_name, replicas=2).items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--small", action="store_true", help="CPU sizes")
+    parser.add_argument("--model", help="local checkpoint directory (default: the embedded default model)")
     parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--long-per-replica", type=int, default=4,
+                        help="long requests (prompt + max_tokens) one replica's KV pool holds at once")
+    parser.add_argument("--gap", type=float, help="seconds between bursts (default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
                         help="order of the runs (run both orders to see warm-up effects)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.small:
-        sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, gap_s=0.5)
-        engine = dict(device="cpu", kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=1024)
+        sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, gap_s=0.5,
+                     max_model_len=1024)
+        engine = dict(device="cpu", max_num_seqs=8)
     else:
         sizes = dict(n=args.requests, long_share=0.25, long_len=4000, short_len=64, max_tokens=128, burst=16,
-                     gap_s=1.0)
-        engine = dict(device="cuda", kv_cache_memory="2GiB", max_num_seqs=64, max_model_len=4608)
+                     gap_s=1.0, max_model_len=4224)
+        engine = dict(device="cuda", max_num_seqs=64)
+    if args.gap is not None:
+        sizes["gap_s"] = args.gap
+    assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
+    model_dir = args.model or str(ponytail.model_loader.default_checkpoint())
+    budget = kv_budget(model_dir, engine["device"], args.long_per_replica, sizes)
+    engine.update(model=args.model, model_id=MODEL, kv_cache_memory=budget["bytes"],
+                  max_model_len=sizes["max_model_len"])
+    print(f"KV cache per replica: {budget['bytes'] / 2**20:.1f} MiB = {budget['blocks']} blocks = "
+          f"{budget['tokens']} tokens at {budget['bytes_per_token']} bytes/token ({budget['dtype']}): "
+          f"{args.long_per_replica} x ({sizes['long_len']} + {sizes['max_tokens']}) long + "
+          f"{sizes['burst']} x ({sizes['short_len']} + {sizes['max_tokens']}) short")
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    prompts = workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"], seed=0)
+    warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))  # other prompts: no prefix-cache hits later
+              for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
+    lengths = sorted({len(p) for p in prompts})
+    print(f"{len(prompts)} prompts, {sum(len(p) == sizes['long_len'] for p in prompts)} long; lengths {lengths} "
+          f"(+ max_tokens {sizes['max_tokens']} <= max_model_len {sizes['max_model_len']})")
+
     port = free_port()
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    prompts = workload(sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"])
     results = {}
-    for router in args.routers.split(","):
-        name = f"ponytail-{router}"
-        serve.run(build({**engine, "router": router, "min_replicas": 2, "max_replicas": 2}), name=name,
-                  route_prefix=f"/{router}")
-        base = f"http://127.0.0.1:{port}/{router}/v1"
-        run_load(base, prompts[:4], 4, 4, 0)  # warm-up: compile, first allocations
-        before = preemptions(name)
-        results[router] = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], sizes["gap_s"])
-        results[router]["preemptions"] = preemptions(name) - before
-        serve.delete(name)
-    serve.shutdown()
-    ray.shutdown()
-    print(f"\n{'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} {'preempt':>8s}")
+    try:
+        for router in args.routers.split(","):
+            name = f"ponytail-{router}"
+            serve.run(build({**engine, "router": router, "min_replicas": 2, "max_replicas": 2}), name=name,
+                      route_prefix=f"/{router}")
+            base = f"http://127.0.0.1:{port}/{router}/v1"
+            run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
+            before = replica_counters(name)
+            results[router] = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], sizes["gap_s"])
+            after = replica_counters(name)
+            deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
+            results[router]["replica_requests"] = [d[0] for d in deltas]
+            results[router]["replica_prompt_tokens"] = [d[1] for d in deltas]
+            results[router]["preemptions"] = sum(d[2] for d in deltas)
+            serve.delete(name)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    print(f"\n{'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} {'preempt':>8s}  "
+          "per replica: requests, prompt tokens")
     for router, r in results.items():
         print(f"{router:14s} {r['tokens_per_s']:8.1f} {r['ttft_p50'] or float('nan'):9.3f} "
-              f"{r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} {r['preemptions']:8d}")
-    kv, p2 = results["kv_blocks"], results["power_of_two"]
-    print(f"throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
-          f"p99 TTFT {100 * (1 - kv['ttft_p99'] / p2['ttft_p99']):.0f}% lower" if kv["ttft_p99"] and p2["ttft_p99"]
-          else "")
+              f"{r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} {r['preemptions']:8d}  "
+              f"{r['replica_requests']}, {r['replica_prompt_tokens']}")
+        for error in r["errors"]:
+            print(f"  error: {error}")
+    kv, p2 = results.get("kv_blocks"), results.get("power_of_two")
+    if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
+        print(f"throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
+              f"p99 TTFT {100 * (1 - kv['ttft_p99'] / p2['ttft_p99']):.0f}% lower")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "engine": engine, "results": results}, f, indent=2)
-    return 0
+            json.dump({"sizes": sizes, "engine": engine, "kv_budget": budget, "results": results}, f, indent=2)
+    return 1 if any(r["failed"] for r in results.values()) else 0
 
 
 if __name__ == "__main__":
