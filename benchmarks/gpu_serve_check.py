@@ -39,7 +39,9 @@ import traceback
 import urllib.request
 from pathlib import Path
 
+import openai  # here, not after minutes of startup: the GPU machine's bundle must carry it
 import yaml
+from transformers import AutoTokenizer
 
 from random_checkpoint import build_checkpoint
 
@@ -130,15 +132,13 @@ def wait_for_replicas(process: subprocess.Popen, deadline: float) -> dict:
             check(app.status != "DEPLOY_FAILED", f"the app failed to deploy: {app.message}")
             engines = app.deployments.get("EngineReplica")
             if app.status == "RUNNING" and engines and engines.replica_states.get("RUNNING", 0) == 2:
-                return {"app": str(app.status), "engine_replicas": {str(k): v for k, v in engines.replica_states.items()}}
+                states = {str(k): v for k, v in engines.replica_states.items()}
+                return {"app": str(app.status), "engine_replicas": states}
         time.sleep(1)
     raise CheckFailed("the app did not reach RUNNING with two engine replicas in time")
 
 
 def openai_checks(port: int, model_dir: Path) -> dict:
-    import openai
-    from transformers import AutoTokenizer
-
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120, max_retries=0)
     results = {}
     models = [m.id for m in client.models.list().data]
