@@ -17,7 +17,7 @@ from typing import Any, Callable
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
-                       GenerateRequest)
+                       STAT_TOTAL_BLOCKS, GenerateRequest)
 
 DEFAULT_MAX_TOKENS = 16  # ponytail.SamplingParams' default, used when the request leaves it out
 
@@ -27,6 +27,7 @@ class Report:
     """The part of one replica's record_routing_stats() dict the ranking reads."""
 
     free_blocks: int  # free now, plus what the pool may still grow by
+    total_blocks: int  # the most blocks the pool may hold (0: not reported)
     load: int  # num_running + num_waiting
     block_size: int  # tokens per block
     time: float  # time.time() on the replica when it read its stats
@@ -37,7 +38,7 @@ def read_report(stats: Any) -> Report | None:
     if not stats:
         return None
     try:
-        report = Report(free_blocks=int(stats[STAT_FREE_BLOCKS]),
+        report = Report(free_blocks=int(stats[STAT_FREE_BLOCKS]), total_blocks=int(stats.get(STAT_TOTAL_BLOCKS, 0)),
                         load=int(stats[STAT_NUM_RUNNING]) + int(stats[STAT_NUM_WAITING]),
                         block_size=int(stats[STAT_BLOCK_SIZE]), time=float(stats[STAT_TIME]))
     except (KeyError, TypeError, ValueError):
@@ -113,10 +114,12 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     blocks minus the blocks this router routed to it after that report was taken (the ledger; a
     newer report drops the sends it already counts). Replicas are then ranked in three tiers:
 
-    1. fresh report, effective free blocks >= need: fewest running+waiting (plus this router's sends
-       since the report, or Ray's queue length if larger) first, ties to most free blocks: where
-       memory is plentiful the request
-       goes where it will be computed soonest; where it is scarce only replicas with room qualify;
+    1. fresh report, effective free blocks >= need: lowest score first, where score = the share of
+       the pool in use (1 - effective free / total) + the load (running + waiting, plus this
+       router's sends since the report, or Ray's queue length if larger) as a share of the largest
+       load among these replicas. Memory decides where a request can go; among those, KV in use
+       (which counts a 4k-token prompt as 250 short ones) and request count weigh equally, as
+       llm-d's kv-cache-utilization and queue scorers do; ties to most free blocks;
     2. no report, or one older than STATS_MAX_AGE_S: fewest queued requests first (Ray's queue
        length cache, or this router's own in-flight count when larger or when the cache is empty);
     3. fresh report, too few blocks: smallest deficit first, ties to fewer running+waiting.
@@ -203,13 +206,15 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             free = report.free_blocks - ledger.sent_blocks
             need = blocks_needed(tokens, report.block_size)
             if free >= need:
-                # Memory decides where a request can go; among those, load decides (as power of two
-                # would): requests routed since the report count as load the report cannot show.
+                # Requests routed since the report count as load the report cannot show.
                 load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
-                fits.append(((load, -free, random.random()), replica))
+                used = 1 - free / report.total_blocks if report.total_blocks > 0 else 0.0
+                fits.append((used, load, free, replica))
             else:
                 short.append(((need - free, report.load, random.random()), replica))
-        return [[replica] for tier in (fits, unknown, short)
+        most_load = max((load for _, load, _, _ in fits), default=0) or 1
+        scored = [((used + load / most_load, -free, random.random()), replica) for used, load, free, replica in fits]
+        return [[replica] for tier in (scored, unknown, short)
                 for _, replica in sorted(tier, key=lambda entry: entry[0])]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

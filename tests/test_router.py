@@ -355,3 +355,34 @@ def test_memory_filters_and_load_ranks_among_replicas_with_room(clock):
         assert await ranking(router, replicas, request(200, 56)) == ["roomy_busy", "tight_idle"]
 
     run(router, body)
+
+
+def test_kv_in_use_and_load_weigh_together(clock):
+    """A replica busy with one long prompt loses to one with two short requests and a pool mostly
+    free: score = share of the pool in use + load / largest load (0.84 + 0.5 against 0.06 + 1)."""
+    router = make_router(clock)
+    long_prompt = FakeReplica("long_prompt").report(10, T0, running=1)
+    two_short = FakeReplica("two_short").report(60, T0, running=2)
+    replicas = [long_prompt, two_short]
+
+    async def body():
+        router.update_replicas(replicas)
+        assert await ranking(router, replicas, request(20, 12)) == ["two_short", "long_prompt"]
+        # Four more requests on the mostly free replica tip the balance back (0.84 + 1/6 < 0.06 + 1).
+        two_short.report(60, T0, running=6)
+        assert await ranking(router, replicas, request(20, 12)) == ["long_prompt", "two_short"]
+
+    run(router, body)
+
+
+def test_without_a_pool_size_load_alone_ranks(clock):
+    router = make_router(clock)
+    busy, idle = FakeReplica("busy").report(10, T0, running=3), FakeReplica("idle").report(5, T0, running=1)
+    for replica in (busy, idle):
+        del replica.stats["total_blocks"]  # an older replica build: no pool size in its stats
+
+    async def body():
+        router.update_replicas([busy, idle])
+        assert await ranking(router, [busy, idle], request(20, 12)) == ["idle", "busy"]
+
+    run(router, body)
