@@ -1,6 +1,7 @@
 """The KV-block router against Serve's default power-of-two router, same workload, one run.
 
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random   # two GPUs, one replica each
+    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --rounds 4   # pooled, orders alternate
     python benchmarks/bench_router.py --small                                # CPU sanity run, default model
 
 Two Serve apps with identical engine replicas differ only in their request router. Each gets the
@@ -11,9 +12,10 @@ ones, so where the long prompts land decides who waits. Prompts are sent as toke
 exact length with the model's own tokenizer: both routers see their true size (for text the
 KV-block router estimates ~3 characters per token).
 
-Prints the KV budget, then per router: throughput (completion tokens/s), p50/p99 time to first
-token, failed requests, preemptions, and requests and prompt tokens taken by each replica; writes
-JSON with --json. --model: a local checkpoint (random_checkpoint.py builds one for the GPU
+Prints the KV budget, then per router and round: throughput (completion tokens/s), p50/p99 time
+to first token, failed requests, preemptions, and requests and prompt tokens taken by each
+replica; then each router's rounds pooled (total tokens over total time, percentiles over every
+request: one ~10 s round's p99 is a single request); writes JSON with --json. --model: a local checkpoint (random_checkpoint.py builds one for the GPU
 machine); default: the embedded SmolLM2-135M-Instruct.
 """
 
@@ -110,9 +112,23 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s):
     ttfts = sorted(r["ttft"] for r in done if r["ttft"] is not None)
     return {"requests": len(prompts), "failed": len(prompts) - len(done),
             "errors": [r["error"] for r in results if r and not r["ok"]][:3],
-            "tokens_per_s": sum(r["tokens"] for r in done) / elapsed, "seconds": elapsed,
-            "ttft_p50": statistics.median(ttfts) if ttfts else None,
+            "tokens": sum(r["tokens"] for r in done), "tokens_per_s": sum(r["tokens"] for r in done) / elapsed,
+            "seconds": elapsed, "ttfts": ttfts, **ttft_percentiles(ttfts)}
+
+
+def ttft_percentiles(ttfts: list[float]) -> dict:
+    ttfts = sorted(ttfts)
+    return {"ttft_p50": statistics.median(ttfts) if ttfts else None,
             "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None}
+
+
+def pooled(runs: list[dict]) -> dict:
+    """One router's rounds together: total tokens over total time, percentiles of every request."""
+    ttfts = [t for r in runs for t in r["ttfts"]]
+    return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
+            "failed": sum(r["failed"] for r in runs), "preemptions": sum(r["preemptions"] for r in runs),
+            "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
+            **ttft_percentiles(ttfts)}
 
 
 def replica_counters(app_name) -> dict[str, tuple[int, int, int]]:
@@ -130,7 +146,9 @@ def main() -> int:
                         help="long requests (prompt + max_tokens) one replica's KV pool holds at once")
     parser.add_argument("--gap", type=float, help="seconds between bursts (default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
-                        help="order of the runs (run both orders to see warm-up effects)")
+                        help="order of the runs in the first round (later rounds alternate it)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds of both routers, the order reversed every round; results pooled")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.small:
@@ -165,41 +183,53 @@ def main() -> int:
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    results = {}
+    runs: dict[str, list[dict]] = {}
     try:
-        for router in args.routers.split(","):
-            name = f"ponytail-{router}"
-            serve.run(build({**engine, "router": router, "min_replicas": 2, "max_replicas": 2}), name=name,
-                      route_prefix=f"/{router}")
-            base = f"http://127.0.0.1:{port}/{router}/v1"
-            run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
-            before = replica_counters(name)
-            results[router] = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], sizes["gap_s"])
-            after = replica_counters(name)
-            deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
-            results[router]["replica_requests"] = [d[0] for d in deltas]
-            results[router]["replica_prompt_tokens"] = [d[1] for d in deltas]
-            results[router]["preemptions"] = sum(d[2] for d in deltas)
-            serve.delete(name)
+        for round_index in range(args.rounds):
+            order = args.routers.split(",")
+            for router in order if round_index % 2 == 0 else order[::-1]:
+                name = f"ponytail-{router}"
+                serve.run(build({**engine, "router": router, "min_replicas": 2, "max_replicas": 2}), name=name,
+                          route_prefix=f"/{router}")
+                base = f"http://127.0.0.1:{port}/{router}/v1"
+                run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
+                before = replica_counters(name)
+                result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], sizes["gap_s"])
+                after = replica_counters(name)
+                deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
+                result.update(round=round_index, replica_requests=[d[0] for d in deltas],
+                              replica_prompt_tokens=[d[1] for d in deltas], preemptions=sum(d[2] for d in deltas))
+                runs.setdefault(router, []).append(result)
+                serve.delete(name)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"\n{'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} {'preempt':>8s}  "
+    print(f"\n{'round':>5s} {'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} {'preempt':>8s}  "
           "per replica: requests, prompt tokens")
+    for router, router_runs in runs.items():
+        for r in router_runs:
+            print(f"{r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} {r['ttft_p50'] or float('nan'):9.3f} "
+                  f"{r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} {r['preemptions']:8d}  "
+                  f"{r['replica_requests']}, {r['replica_prompt_tokens']}")
+            for error in r["errors"]:
+                print(f"  error: {error}")
+    results = {router: pooled(router_runs) for router, router_runs in runs.items()}
+    print(f"\npooled over {args.rounds} round(s):")
     for router, r in results.items():
-        print(f"{router:14s} {r['tokens_per_s']:8.1f} {r['ttft_p50'] or float('nan'):9.3f} "
-              f"{r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} {r['preemptions']:8d}  "
-              f"{r['replica_requests']}, {r['replica_prompt_tokens']}")
-        for error in r["errors"]:
-            print(f"  error: {error}")
+        print(f"  {router:14s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50 {r['ttft_p50'] or float('nan'):.3f} s, "
+              f"p99 {r['ttft_p99'] or float('nan'):.3f} s, {r['failed']} failed, {r['preemptions']} preemptions")
     kv, p2 = results.get("kv_blocks"), results.get("power_of_two")
     if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
         print(f"throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
               f"p99 TTFT {100 * (1 - kv['ttft_p99'] / p2['ttft_p99']):.0f}% lower")
+    for router_runs in runs.values():
+        for r in router_runs:
+            del r["ttfts"]  # the JSON keeps percentiles, not every sample
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "engine": engine, "kv_budget": budget, "results": results}, f, indent=2)
+            json.dump({"sizes": sizes, "engine": engine, "kv_budget": budget, "pooled": results, "runs": runs},
+                      f, indent=2)
     return 1 if any(r["failed"] for r in results.values()) else 0
 
 
