@@ -180,21 +180,26 @@ def run_capacity(model, tokenizer, args, device, budget) -> dict:
     per_token = llm.engine.cache.config.bytes_per_token
     preallocated = budget_bytes // (args.capacity_max_len * per_token)
     fit_at_full_length = budget_bytes // ((args.prompt_len + args.output_len) * per_token)
-    n = int(fit_at_full_length * 1.5) + 8
+    # More requests than can ever run at once: the count offered must not be what limits the peak.
+    n = 3 * fit_at_full_length + 8
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     engine = llm.engine
     for prompt in prompts(n, args.prompt_len, model.config.vocab_size, seed=7):
         engine.add_request(prompt, params)
-    peak_running, steps, t0 = 0, 0, time.perf_counter()
+    peak_running, steady_running, t0 = 0, 0, time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-        steps += 1
-        peak_running = max(peak_running, len(engine.scheduler.running))
+        running = len(engine.scheduler.running)
+        peak_running = max(peak_running, running)
+        if all(r.num_tokens >= args.prompt_len + args.output_len // 2 for r in engine.scheduler.running):
+            # Every running sequence is past half its output: how many the budget carries at length.
+            steady_running = max(steady_running, running)
     stats = engine.stats()
     return {"budget_bytes": budget_bytes, "max_seq_len": args.capacity_max_len, "requests": n,
-            "peak_running": peak_running, "preallocated_fit": preallocated,
-            "fit_at_full_length": fit_at_full_length, "preemptions": stats.num_preemptions,
-            "seconds": time.perf_counter() - t0, "used_blocks_after": stats.used_blocks}
+            "peak_running": peak_running, "running_past_half_length": steady_running,
+            "preallocated_fit": preallocated, "fit_at_full_length": fit_at_full_length,
+            "preemptions": stats.num_preemptions, "seconds": time.perf_counter() - t0,
+            "used_blocks_after": stats.used_blocks}
 
 
 def main() -> int:
@@ -282,7 +287,8 @@ def main() -> int:
               f"preemptions {mine['preemptions']}")
     if capacity:
         print(f"KV budget {format_bytes(capacity['budget_bytes'])}, {args.prompt_len}+{args.output_len}-token "
-              f"requests: ponytail ran up to {capacity['peak_running']} sequences at once "
+              f"requests: ponytail ran up to {capacity['peak_running']} sequences at once, "
+              f"{capacity['running_past_half_length']} with every one past half its output "
               f"({capacity['preemptions']} preemptions, {capacity['requests']} requests); a cache preallocated "
               f"at max_seq_len={capacity['max_seq_len']} holds {capacity['preallocated_fit']} "
               f"({capacity['peak_running'] / max(1, capacity['preallocated_fit']):.2f}x); "

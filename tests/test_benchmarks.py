@@ -1,0 +1,47 @@
+"""The benchmark scripts in their CPU-sized form, so they keep running (numbers on a CPU mean nothing;
+what is checked is that each runs end to end and that its correctness checks passed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(name: str, *args: str, timeout: int = 900) -> None:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / name), *args], cwd=ROOT,
+                            capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{name} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+@pytest.mark.slow
+def test_bench_engine_small_runs_every_peer_and_agrees_with_plain_generate(tmp_path):
+    out = tmp_path / "engine.json"
+    run_script("bench_engine.py", "--small", "--check-tokens", "8", "--capacity", "8MiB",
+               "--capacity-max-len", "256", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["agreement"]["ponytail"]["first_divergence"] == [None] * 4  # fp32 on the CPU: identical
+    peers = {r["peer"] for r in report["results"]}
+    assert {"plain generate", "ponytail"} <= peers
+    ours = next(r for r in report["results"] if r["peer"] == "ponytail")
+    assert ours["tokens_per_s"] > 0 and ours["preemptions"] == 0
+    assert report["capacity"]["used_blocks_after"] == 0 and report["capacity"]["peak_running"] > 0
+
+
+def test_bench_attention_small_checks_against_sdpa(tmp_path):
+    out = tmp_path / "attention.json"
+    run_script("bench_attention.py", "--small", "--json", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert {r["kind"] for r in results} == {"decode", "prefill"}
+    assert all(r["rel_error"] < 2e-2 for r in results)
+
+
+def test_bench_cache_ops_small_runs(tmp_path):
+    out = tmp_path / "cache_ops.json"
+    run_script("bench_cache_ops.py", "--small", "--json", str(out))
+    assert json.loads(out.read_text())
