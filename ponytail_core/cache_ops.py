@@ -128,9 +128,9 @@ def copy_blocks(storage: PagedKVStorage, pairs) -> None:
 
     `pairs` is a sequence of (src, dst) or an int array of shape [n, 2].
     """
-    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2) if len(pairs) else np.empty((0, 2), np.int64)
-    if not len(pairs):
+    if not len(pairs):  # the common case (an append without copy-on-write): return before any work
         return
+    pairs = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     _check_pairs(storage, pairs)
     choice = kernel_loader.choose(storage.device)
     kernel_loader.log_choice("copy_blocks", choice)
