@@ -31,6 +31,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.compile import restore_decoder_layers
 from ponytail.units import format_bytes, parse_bytes
 
 
@@ -124,14 +125,20 @@ def run_generate_batch(model, batch, output_len, device, weights):
             "peak_above_weights": peak_above(device, weights)}, outs
 
 
-def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory):
+def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory, compile_model=False):
     reset_peak(device)
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(batch),
-                       max_model_len=len(batch[0]) + output_len, max_num_batched_tokens=8192)
+                       max_model_len=len(batch[0]) + output_len, max_num_batched_tokens=8192,
+                       compile_model=compile_model)
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    if compile_model:  # compile outside the timed run: one short request per shape it will see
+        llm.generate([batch[0]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     sync(device)
     t0 = time.perf_counter()
-    outputs = llm.generate(batch, params)
+    try:
+        outputs = llm.generate(batch, params)
+    finally:
+        restore_decoder_layers(model)
     sync(device)
     total = time.perf_counter() - t0
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
@@ -141,7 +148,8 @@ def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory
     live_tokens = len(batch) * (len(batch[0]) + output_len)
     needed = live_tokens * config.bytes_per_token + len(batch) * config.block_bytes
     stats = llm.stats()
-    result = {"peer": "ponytail", "seconds": total, "tokens_per_s": len(batch) * output_len / total,
+    result = {"peer": "ponytail (compiled layers)" if compile_model else "ponytail", "seconds": total,
+              "tokens_per_s": len(batch) * output_len / total,
               "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99),
               "tpot_p50": percentile(tpots, 0.5), "tpot_p99": percentile(tpots, 0.99),
               "peak_above_weights": peak_above(device, weights),
@@ -161,10 +169,14 @@ def plain_greedy_with_top(model, batch, n_tokens, device, k=5):
     return out.sequences[:, ids.shape[1] :].tolist(), [[set(step) for step in row] for row in top.tolist()]
 
 
-def ponytail_greedy_with_top(model, tokenizer, batch, n_tokens, kv_memory, k=5):
+def ponytail_greedy_with_top(model, tokenizer, batch, n_tokens, kv_memory, compile_model, k=5):
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(batch),
-                       max_model_len=len(batch[0]) + n_tokens)
-    outputs = llm.generate(batch, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True, logprobs=k))
+                       max_model_len=len(batch[0]) + n_tokens, compile_model=compile_model)
+    try:
+        outputs = llm.generate(batch, SamplingParams(max_tokens=n_tokens, temperature=0, ignore_eos=True,
+                                                     logprobs=k))
+    finally:
+        restore_decoder_layers(model)  # the peers run the model as it came
     tokens = [o.token_ids for o in outputs]
     top = [[set(sorted(step, key=step.get, reverse=True)[:k]) for step in o.outputs[0].logprobs]
            for o in outputs]
@@ -211,6 +223,8 @@ def main() -> int:
     parser.add_argument("--peers", default="plain,generate_batch,ponytail")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
+    parser.add_argument("--compile", action="store_true",
+                        help="Ponytail with compile_model=True (torch.compile of the decoder layers)")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
@@ -235,7 +249,8 @@ def main() -> int:
     # do) the first differing token must be among the other side's top-5 at that step: a near tie.
     check = batch[: min(4, len(batch))]
     reference, reference_top = plain_greedy_with_top(model, check, args.check_tokens, device)
-    ours, ours_top = ponytail_greedy_with_top(model, tokenizer, check, args.check_tokens, args.kv_memory)
+    ours, ours_top = ponytail_greedy_with_top(model, tokenizer, check, args.check_tokens, args.kv_memory,
+                                              args.compile)
     exact = device.type == "cpu"
     divergence = []
     for row, (a, b) in enumerate(zip(ours, reference)):
@@ -263,7 +278,8 @@ def main() -> int:
         except Exception as exc:  # report, do not hide: the row says why it is missing
             print(f"generate_batch failed: {type(exc).__name__}: {exc}")
     if "ponytail" in peers:
-        results.append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights, args.kv_memory)[0])
+        results.append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights, args.kv_memory,
+                                    args.compile)[0])
 
     capacity = run_capacity(model, tokenizer, args, device, args.capacity) if args.capacity else None
 
@@ -277,7 +293,7 @@ def main() -> int:
         print(f"{r['peer']:30s} {r['tokens_per_s']:9.1f} {r['ttft_p50']:9.3f} {r['ttft_p99']:8.3f} "
               f"{r['tpot_p50'] * 1e3:7.1f}ms {r['tpot_p99'] * 1e3:6.1f}ms "
               f"{'-' if peak is None else f'{peak / 1e9:10.1f} GB':>13s}")
-    mine = next((r for r in results if r["peer"] == "ponytail"), None)
+    mine = next((r for r in results if r["peer"].startswith("ponytail")), None)
     if mine:
         for r in results:
             if r is not mine:

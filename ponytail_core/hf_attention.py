@@ -40,8 +40,11 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
 
 def register() -> None:
-    """Make "ponytail" a valid attn_implementation (idempotent)."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, ponytail_attention_forward)
+    """Make "ponytail" a valid attn_implementation (idempotent).
+
+    Registered behind torch.compiler.disable: a compiled model (compile.py) breaks its graph at
+    this call and runs Ponytail's kernels eagerly instead of tracing into CuPy."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(ponytail_attention_forward))
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
 
 

@@ -33,7 +33,8 @@ class LLM:
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
                  kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None):
+                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
+                 compile_model: bool = False):
         if model is None or isinstance(model, str):
             model, tokenizer = load_model(model, device=device, dtype=dtype)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
@@ -56,7 +57,7 @@ class LLM:
         config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                cuda_graphs=cuda_graphs)
+                                cuda_graphs=cuda_graphs, compile_model=compile_model)
         self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)

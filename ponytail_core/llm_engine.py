@@ -56,12 +56,13 @@ class LLMEngine:
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False):
+                 max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
+                 compile_model: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.cache = PagedKVCache(cache_config)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  cuda_graphs=cuda_graphs)
+                                  cuda_graphs=cuda_graphs, compile_model=compile_model)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:

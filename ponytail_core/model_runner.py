@@ -11,13 +11,18 @@ from .scheduler import ScheduledChunk
 
 
 class ModelRunner:
-    """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only)."""
+    """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
+    compile_model: torch.compile the decoder layers around the attention call (compile.py)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, compile_model: bool = False):
         self.model = model
         self.device = cache.config.device
         model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+        if compile_model:
+            from .compile import compile_decoder_layers
+
+            compile_decoder_layers(model)  # before capture: the graphs record the fused kernels
         self.hf_cache = PackedStepCache(cache)
         self.block_size = cache.config.block_size
         self.graphs = None

@@ -3,6 +3,7 @@ defragmentation, prefix reuse, aborts, seeds and refused input."""
 
 import asyncio
 import random
+import shutil
 
 import pytest
 import torch
@@ -226,3 +227,31 @@ def test_token_slice_matches_all_token_ids():
         for end in range(start, 6):
             assert request.token_slice(start, end) == request.all_token_ids[start:end]
         assert request.token_slice(start) == request.all_token_ids[start:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
+def test_compiled_decoder_layers_keep_greedy_output(small_model):
+    from ponytail.compile import restore_decoder_layers
+
+    model, tokenizer = small_model
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(4, 40))] for _ in range(4)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    expected = [plain_greedy(model, p, 6) for p in prompts]
+    try:
+        llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128,
+                           compile_model=True)
+        assert all("forward" in vars(layer) for layer in model.model.layers)  # compiled in place
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        restore_decoder_layers(model)
+    assert not any("forward" in vars(layer) for layer in model.model.layers)
+
+
+def test_compile_model_names_what_it_needs():
+    from ponytail.compile import decoder_layers
+
+    with pytest.raises(ConfigError, match="compile_model=True needs a decoder with a `layers` list; Linear"):
+        decoder_layers(torch.nn.Linear(2, 2))

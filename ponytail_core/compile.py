@@ -1,0 +1,56 @@
+"""torch.compile of a stock model's decoder layers around Ponytail's attention call.
+
+A decode step of a stock transformers model runs ~45 small kernels per layer (RMSNorm in fp32,
+rotary embedding, residual adds, SiLU * up) around its few GEMMs; a CUDA graph removes their
+launch cost but not their own time. Compiling each decoder layer lets inductor fuse them. The
+attention call stays eager (hf_attention registers it with torch.compiler.disable): the layer's
+graph breaks there, so Ponytail's kernels and their checks run exactly as without compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .errors import ConfigError
+
+logger = logging.getLogger("ponytail.engine")
+
+# Every layer shares one code object; inductor's graphs take the layers' weights as inputs, but
+# each compiled wrapper still holds a cache entry of its own.
+_CACHE_SIZE_PER_LAYER = 2
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ConfigError(f"compile_model=True needs a decoder with a `layers` list; {type(model).__name__} "
+                          "has none (supported: Llama, Mistral, Qwen2/Qwen3 and similar)")
+    return layers
+
+
+def compile_decoder_layers(model) -> int:
+    """Compile every decoder layer's forward in place (dynamic batch sizes); returns how many.
+
+    The model object is changed (each layer's `forward` becomes the compiled one) until
+    restore_decoder_layers(model)."""
+    layers = decoder_layers(model)
+    limit = _CACHE_SIZE_PER_LAYER * len(layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, limit)
+    start = time.perf_counter()
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s)",
+                len(layers), time.perf_counter() - start)
+    return len(layers)
+
+
+def restore_decoder_layers(model) -> None:
+    """Undo compile_decoder_layers: every layer runs its class's own forward again."""
+    for layer in decoder_layers(model):
+        layer.__dict__.pop("forward", None)
