@@ -45,3 +45,7 @@ def test_bench_cache_ops_small_runs(tmp_path):
     out = tmp_path / "cache_ops.json"
     run_script("bench_cache_ops.py", "--small", "--json", str(out))
     assert json.loads(out.read_text())
+
+
+def test_bench_host_overhead_runs():
+    run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20")
