@@ -3,8 +3,9 @@
 A decode step of a stock transformers model runs ~45 small kernels per layer (RMSNorm in fp32,
 rotary embedding, residual adds, SiLU * up) around its few GEMMs; a CUDA graph removes their
 launch cost but not their own time. Compiling each decoder layer lets inductor fuse them. The
-attention call stays eager (hf_attention registers it with torch.compiler.disable): the layer's
-graph breaks there, so Ponytail's kernels and their checks run exactly as without compiling.
+attention call stays eager (hf_attention re-registers it behind torch.compiler.disable): the
+layer's graph breaks there, so Ponytail's kernels and their checks run exactly as without
+compiling.
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ def compile_decoder_layers(model) -> int:
 
     The model object is changed (each layer's `forward` becomes the compiled one) until
     restore_decoder_layers(model)."""
+    from . import hf_attention
+
     layers = decoder_layers(model)
+    hf_attention.register(for_compiled_models=True)
     limit = _CACHE_SIZE_PER_LAYER * len(layers)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
     torch._dynamo.config.accumulated_cache_size_limit = max(
@@ -52,5 +56,8 @@ def compile_decoder_layers(model) -> int:
 
 def restore_decoder_layers(model) -> None:
     """Undo compile_decoder_layers: every layer runs its class's own forward again."""
+    from . import hf_attention
+
     for layer in decoder_layers(model):
         layer.__dict__.pop("forward", None)
+    hf_attention.register()  # the plain function again

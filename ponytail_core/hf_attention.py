@@ -39,12 +39,14 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     return out, None
 
 
-def register() -> None:
+def register(for_compiled_models: bool = False) -> None:
     """Make "ponytail" a valid attn_implementation (idempotent).
 
-    Registered behind torch.compiler.disable: a compiled model (compile.py) breaks its graph at
-    this call and runs Ponytail's kernels eagerly instead of tracing into CuPy."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(ponytail_attention_forward))
+    for_compiled_models: register it behind torch.compiler.disable, so a compiled model
+    (compile.py) breaks its graph at this call and runs Ponytail's kernels eagerly instead of
+    tracing into CuPy. Eager models keep the plain function (no wrapper in the hot path)."""
+    forward = torch.compiler.disable(ponytail_attention_forward) if for_compiled_models else ponytail_attention_forward
+    AttentionInterface.register(ATTN_IMPLEMENTATION, forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
 
 
