@@ -108,7 +108,7 @@ class DecodeGraphs:
         return out.logits
 
     def _step(self, size: int) -> PackedStep:
-        return PackedStep(num_tokens=size, slot_mapping=self.slots[:size],
+        return PackedStep(slot_mapping=self.slots[:size],
                           decode=DecodeRows(block_tables=self.block_tables[:size], seq_lens=self.seq_lens[:size]),
                           prefill=None)
 

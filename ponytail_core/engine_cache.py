@@ -42,8 +42,7 @@ class PrefillChunks:
 
 @dataclass(slots=True)
 class PackedStep:
-    num_tokens: int  # N
-    slot_mapping: torch.Tensor  # [N] int64 (-1: padding, nothing written)
+    slot_mapping: torch.Tensor  # [N] int64, one slot per packed token (-1: padding, nothing written)
     decode: DecodeRows | None
     prefill: PrefillChunks | None
 

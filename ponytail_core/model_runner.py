@@ -60,7 +60,7 @@ class ModelRunner:
             positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
             slots.extend(chunk.slots)
         self.hf_cache.step = PackedStep(
-            num_tokens=total, slot_mapping=self._tensor(slots, torch.int64),
+            slot_mapping=self._tensor(slots, torch.int64),
             decode=self._decode_rows(decode, tables[: len(decode)]),
             prefill=self._prefill_chunks(prefill, tables[len(decode) :], start=len(decode)))
         out = self.model(input_ids=self._tensor(input_ids, torch.int64)[None],
