@@ -4,7 +4,8 @@ Every scheduled request's new tokens are packed into one [1, N] batch (no paddin
 matmuls): decode tokens first, one per row, then the prefill chunks end to end. Attention splits
 them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
 chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
-context.
+context. When no chunk has context (every chunk starts its sequence) they attend the step's own
+K/V instead (chunk_attention.py), without reading the blocks back.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .chunk_attention import ChunkRun, attention_over_new_tokens
 from .hf_cache import PagedCacheBase
 from .paged_attention import paged_attention, paged_attention_varlen
 
@@ -38,6 +40,7 @@ class PrefillChunks:
     max_query_len: int
     block_tables: torch.Tensor  # [chunks, max_blocks] int32
     seq_lens: torch.Tensor  # [chunks] int32
+    runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
 
 
 @dataclass(slots=True)
@@ -59,17 +62,25 @@ class PackedStepCache(PagedCacheBase):
         self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
         storage = self.paged.storage
-        parts = []
+        decode_out = None
         if step.decode is not None:
             rows = step.decode.rows
             q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
-            out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens, None, scale)
-            parts.append(out[:, :, 0])
-        if step.prefill is not None:
-            chunks = step.prefill
-            parts.append(paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
-                                                chunks.max_query_len, chunks.block_tables, chunks.seq_lens,
-                                                scale))
+            decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens,
+                                         None, scale)[:, :, 0]
+        chunks = step.prefill
         self._awaiting_attention = None
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if chunks is None:
+            return decode_out.unsqueeze(0)
+        if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
+            out = torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
+            s = chunks.start
+            attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
+                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:])
+            if decode_out is not None:
+                out[:s] = decode_out
+            return out.unsqueeze(0)
+        prefill_out = paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
+                                             chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale)
+        out = prefill_out if decode_out is None else torch.cat([decode_out, prefill_out])
         return out.unsqueeze(0)  # [1, N, Hq, D]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from . import hf_attention
+from .chunk_attention import equal_length_runs
 from .engine_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks
 from .paged_cache import PagedKVCache
 from .scheduler import ScheduledChunk
@@ -90,7 +91,9 @@ class ModelRunner:
             cu.append(cu[-1] + chunk.num_tokens)
         return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
                              max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
-                             seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32))
+                             seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32),
+                             runs=(equal_length_runs([c.num_tokens for c in members])
+                                   if all(c.start == 0 for c in members) else None))
 
     def _table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))

@@ -1,0 +1,104 @@
+"""Attention of first chunks over their own K/V (chunk_attention.py) against a naive fp64 reference.
+
+Inputs are laid out as the engine gets them from a stock model: query and key [1, H, N, D]
+contiguous (after rotary), value a transposed view of the projection [1, N, Hkv, D]. The GPU tests
+(marked gpu) run both device paths: SDPA per run of equal lengths, and flash varlen when the runs
+are too many.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ponytail import chunk_attention
+from ponytail.chunk_attention import ChunkRun, attention_over_new_tokens, equal_length_runs
+
+
+def engine_layout(lengths, heads, kv_heads, head_dim, dtype, device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(lengths)
+    query = torch.randn(1, heads, n, head_dim, generator=gen).to(device, dtype)
+    key = torch.randn(1, kv_heads, n, head_dim, generator=gen).to(device, dtype)
+    value = torch.randn(1, n, kv_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    cu = torch.tensor([0] + [sum(lengths[: i + 1]) for i in range(len(lengths))], dtype=torch.int32, device=device)
+    return query[0], key[0], value[0], cu
+
+
+def naive(query, key, value, lengths, scale) -> torch.Tensor:
+    """Each chunk causal over itself, fp64, explicit softmax -> [N, Hq, D]."""
+    group = query.shape[0] // key.shape[0]
+    q, k, v = (t.double().cpu() for t in (query, key, value))
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    out, start = [], 0
+    for length in lengths:
+        s = slice(start, start + length)
+        scores = torch.einsum("hqd,hkd->hqk", q[:, s], k[:, s]) * scale
+        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        out.append(torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v[:, s]))
+        start += length
+    return torch.cat(out)
+
+
+def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6):
+    query, key, value, cu = engine_layout(lengths, heads, kv_heads, head_dim, dtype, device)
+    scale = 1 / math.sqrt(head_dim)
+    out = attention_over_new_tokens(query, key, value, equal_length_runs(lengths), cu, max(lengths), scale)
+    ref = naive(query, key, value, lengths, scale)
+    assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == dtype
+    err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
+    assert err < tolerance, f"relative error {err:.2e} for lengths {lengths}"
+
+
+def test_runs_group_adjacent_equal_lengths():
+    assert equal_length_runs([4, 4, 2, 4]) == [ChunkRun(0, 2, 4), ChunkRun(8, 1, 2), ChunkRun(10, 1, 4)]
+    assert equal_length_runs([]) == []
+    with pytest.raises(ValueError, match=r"chunk lengths must be positive, got \[3, 0\]"):
+        equal_length_runs([3, 0])
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7), group=st.sampled_from([1, 3, 4]),
+       kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([8, 64]))
+def test_random_chunks_match_naive(lengths, group, kv_heads, head_dim):
+    check(lengths, kv_heads * group, kv_heads, head_dim)
+
+
+def test_equal_lengths_are_one_call_and_the_result_lands_in_out():
+    query, key, value, cu = engine_layout([5, 5, 5], 4, 2, 16, torch.float32, "cpu")
+    out = torch.full((15, 4, 16), float("nan"))
+    returned = attention_over_new_tokens(query, key, value, equal_length_runs([5, 5, 5]), cu, 5, 0.25, out=out)
+    assert returned is out and not out.isnan().any()
+
+
+def test_shape_mismatches_raise_clear_errors():
+    query, key, value, cu = engine_layout([3, 2], 4, 2, 8, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"runs .* cover 6 tokens, query has 5"):
+        attention_over_new_tokens(query, key, value, [ChunkRun(0, 2, 3)], cu, 3, 0.3)
+    with pytest.raises(ValueError, match=r"Hq a multiple of Hkv"):
+        attention_over_new_tokens(query[:3], key, value, equal_length_runs([3, 2]), cu, 3, 0.3)
+
+
+def test_the_path_taken_is_logged(caplog):
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check([4, 4, 3], 4, 2, 8)
+    assert "torch SDPA over the chunks' own K/V, one call per run of equal lengths (2 runs)" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("lengths", [[512] * 4, [300, 300, 7, 7, 7, 64],  # SDPA runs
+                                     [17, 300, 5, 64, 128, 9, 250, 1]])  # more runs: flash varlen
+def test_gpu_paths_match_the_reference(dtype, lengths, caplog):
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check(lengths, 32, 8, 128, dtype=dtype, device="cuda", tolerance=2e-2)
+    many = len(equal_length_runs(lengths)) > chunk_attention.MAX_SDPA_RUNS
+    assert ("flash varlen" if many else "torch SDPA") in caplog.text
