@@ -6,8 +6,10 @@
 
 Decode: one query token per row; effective bandwidth = K+V bytes of the attended tokens / time,
 for Ponytail's paged kernel (blocks scattered over the pool) and for SDPA on [B, H, L, D] copies.
-Prefill: T new tokens per row after `context` cached ones; tokens/s of Ponytail's T > 1 path
-(packed gather + flash varlen) and of SDPA with a bottom-right causal mask on contiguous K/V.
+Prefill: T new tokens per row after `context` cached ones; tokens/s of the path the engine takes
+and of SDPA (bottom-right causal mask) on contiguous K/V. With context that is the paged path
+(packed gather + flash varlen); without (first chunks) it is chunk_attention on the model's own
+K/V as the engine hands them over (query/key [H, N, D], value a transposed view), no cache read.
 Every Ponytail result is checked against SDPA's (relative error < 2e-2) before it is timed.
 """
 
@@ -26,6 +28,7 @@ from timing import median_ms, tbps
 
 from ponytail import CacheConfig, PagedKVCache
 from ponytail import paged_attention as pa
+from ponytail.chunk_attention import attention_over_new_tokens, equal_length_runs
 
 MAX_REL_ERROR = 2e-2
 REPS = 5  # decode calls per timed sample
@@ -138,17 +141,35 @@ def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device,
 
         causal = {"attn_mask": causal_lower_right(new, total)}
 
-    def ours():
-        return pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+    if context == 0:  # the engine's first-chunk path, on its layout (views of the model's tensors)
+        tokens_q = query.transpose(0, 1).reshape(heads, batch * new, head_dim)
+        tokens_k = k.transpose(0, 1).reshape(kv_heads, batch * new, head_dim)
+        tokens_v = v.permute(0, 2, 1, 3).reshape(batch * new, kv_heads, head_dim).transpose(0, 1)
+        runs = equal_length_runs([new] * batch)
+        cu = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
+
+        def ours():
+            out = attention_over_new_tokens(tokens_q, tokens_k, tokens_v, runs, cu, new, scale)
+            return out.view(batch, new, heads, head_dim)
+    else:
+        def ours():  # [B, Hq, T, D], a transposed view of [B, T, Hq, D]: the layout is free
+            out = pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+            return out.transpose(1, 2).contiguous()
+
+    # Both sides hand over what the model's output projection reads, [B, T, Hq, D] contiguous;
+    # for SDPA that is transformers' own `attn_output.transpose(1, 2).contiguous()` after the call.
+    def sdpa_kernel():
+        return F.scaled_dot_product_attention(query, k_rep, v_rep, scale=scale, **causal)
 
     def sdpa():
-        return F.scaled_dot_product_attention(query, k_rep, v_rep, scale=scale, **causal)
+        return sdpa_kernel().transpose(1, 2).contiguous()
 
     err = rel_error(ours(), sdpa())
     if err > MAX_REL_ERROR:
         raise SystemExit(f"prefill B={batch} T={new} ctx={context}: relative error {err:.2e} vs SDPA")
     ours_ms = device_ms(ours, iters, device)
     sdpa_ms = device_ms(sdpa, iters, device)
+    kernel_ms = device_ms(sdpa_kernel, iters, device)
     ours_eager_ms = median_ms(ours, iters=iters, device=device)
     sdpa_eager_ms = median_ms(sdpa, iters=iters, device=device)
     del cache, k, v, k_rep, v_rep
@@ -156,7 +177,8 @@ def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device,
     return {"case": f"prefill B={batch} Hq={heads} Hkv={kv_heads} D={head_dim} T={new} ctx={context}",
             "kind": "prefill", "rel_error": err, "ponytail_ms": ours_ms, "sdpa_ms": sdpa_ms,
             "ponytail_tok_s": tokens / (ours_ms * 1e-3), "sdpa_tok_s": tokens / (sdpa_ms * 1e-3),
-            "ratio": sdpa_ms / ours_ms, "ponytail_eager_ms": ours_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
+            "ratio": sdpa_ms / ours_ms, "sdpa_kernel_only_ms": kernel_ms, "kernel_only_ratio": kernel_ms / ours_ms,
+            "ponytail_eager_ms": ours_eager_ms, "sdpa_eager_ms": sdpa_eager_ms,
             "eager_ratio": sdpa_eager_ms / ours_eager_ms}
 
 
@@ -218,17 +240,20 @@ def main() -> int:
             print(f"{r['case']:44s} {r['plan'] or '':26s} {r['ponytail_tbps']:7.2f}TB/s "
                   f"{r['sdpa_tbps']:7.2f}TB/s {r['ratio']:6.2f} {r['rel_error']:8.1e} "
                   f"{tbps(r['kv_bytes'], r['ponytail_eager_ms']):7.2f}TB/s")
-    print(f"{'prefill case':60s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'rel err':>8s} "
-          f"{'eager: ponytail':>16s} {'SDPA':>8s} {'ratio':>6s}")
+    print(f"{'prefill case':60s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'kernel only':>11s} "
+          f"{'rel err':>8s} {'eager: ponytail':>16s} {'SDPA':>8s} {'ratio':>6s}")
     for r in results:
         if r["kind"] == "prefill":
             print(f"{r['case']:60s} {r['ponytail_tok_s'] / 1e3:7.0f}k/s {r['sdpa_tok_s'] / 1e3:7.0f}k/s "
-                  f"{r['ratio']:6.2f} {r['rel_error']:8.1e} {r['ponytail_eager_ms'] * 1e3:13.0f}us "
+                  f"{r['ratio']:6.2f} {r['kernel_only_ratio']:11.2f} {r['rel_error']:8.1e} "
+                  f"{r['ponytail_eager_ms'] * 1e3:13.0f}us "
                   f"{r['sdpa_eager_ms'] * 1e3:6.0f}us {r['eager_ratio']:6.2f}")
     print("decode bandwidth = K+V bytes attended / time, timed as CUDA-graph replays of "
           f"{REPS} calls (device time); 'eager' = {REPS} plain calls back to back, host overhead "
           "included; ratio = ponytail / SDPA speed (SDPA time / ours). Prefill tokens/s likewise from "
-          "graph replays; its eager columns time single calls, host overhead included.")
+          "graph replays, both sides ending in the [B, T, Hq, D] layout the output projection reads (for "
+          "SDPA, transformers' transpose(1, 2).contiguous()); 'kernel only' = against SDPA's call "
+          "alone; the eager columns time single calls, host overhead included.")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"env": env, "results": results}, f, indent=2)
