@@ -19,9 +19,11 @@ from .errors import ConfigError
 
 logger = logging.getLogger("ponytail.engine")
 
-# Every layer shares one code object; inductor's graphs take the layers' weights as inputs, but
-# each compiled wrapper still holds a cache entry of its own.
-_CACHE_SIZE_PER_LAYER = 2
+# Every layer shares one code object, and dynamo specializes on the int `layer_idx` each layer's
+# attention passes to the cache, so each layer holds entries of its own: a static batch-1 graph,
+# a dynamic one, prefill steps. Past the limit dynamo would silently run the rest eagerly (seen on
+# an H200 with 2 per layer). Inductor's graphs are the same for every layer: recompiles hit its cache.
+_CACHE_SIZE_PER_LAYER = 8
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:

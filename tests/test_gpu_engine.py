@@ -70,3 +70,25 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch):
             checked += 1
             assert output.token_ids == [int(top2.indices[0])]
     assert checked >= len(prompts) // 2
+
+
+def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch):
+    """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32."""
+    from ponytail.compile import restore_decoder_layers
+
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 200))] for _ in range(6)]
+    expected = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, compile_model=True)
+    try:
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    finally:
+        restore_decoder_layers(model)
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.runner.graphs.replays > 0 and llm.stats().used_blocks == 0
