@@ -157,7 +157,9 @@ class LLMEngine:
         outputs = self._sample(sampling, logits) if sampling else []
         self._steps += 1
         if self._steps % self.MAINTAIN_EVERY == 0:
-            self.cache.maintain()
+            # Decoding requests take at most a block each per block_size steps until the next run.
+            per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+            self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
         return outputs
 
     def _sample(self, requests: list[Request], logits: torch.Tensor) -> list[StepOutput]:

@@ -157,11 +157,17 @@ class PagedKVCache:
         self.num_chunks_released += release
         return release
 
-    def maintain(self) -> MaintenanceReport:
+    def maintain(self, reserve_blocks: int | None = None) -> MaintenanceReport:
         """The automatic policy, run between steps: grow when free blocks run low, compact past
-        the fragmentation threshold (like llama.cpp's defrag_thold), release idle tail chunks."""
+        the fragmentation threshold (like llama.cpp's defrag_thold), release idle tail chunks.
+
+        reserve_blocks: free blocks wanted before the next maintenance (the engine passes what its
+        running requests can take by then); None: GROW_WHEN_FREE_BELOW of the pool. Growing
+        ahead of need only saves an allocation inside a step (allocate/append grow on demand),
+        so a tight reserve keeps the pool's peak close to what live tokens need."""
         added = 0
-        if self.allocator.num_free < self.GROW_WHEN_FREE_BELOW * self.allocator.num_blocks:
+        low = self.GROW_WHEN_FREE_BELOW * self.allocator.num_blocks if reserve_blocks is None else reserve_blocks
+        if self.allocator.num_free < low:
             added = self.grow(1)
         defrag = None
         if self.fragmentation >= self.config.defrag_threshold and self.fragmentation > 0:

@@ -107,3 +107,12 @@ def test_maintain_grows_when_low_defragments_over_threshold_and_releases_idle_ch
     report = cache.maintain()
     assert report.chunks_released == 1 and cache.num_chunks == 2
     assert cache.invariants() == []
+
+
+def test_maintain_grows_ahead_only_for_the_reserve_it_is_given():
+    cache = make_cache(max_blocks=64, chunk_blocks=8, threshold=0.9)
+    fill(cache, 1, 4 * 30)  # 30 of 32 blocks used (4 chunks): 2 free, under the 5% default
+    assert cache.maintain(reserve_blocks=2).chunks_added == 0  # 2 free cover a reserve of 2
+    assert cache.num_chunks == 4
+    assert cache.maintain(reserve_blocks=3).chunks_added == 1 and cache.num_chunks == 5
+    assert cache.invariants() == []
