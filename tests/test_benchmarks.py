@@ -50,3 +50,12 @@ def test_bench_cache_ops_small_runs(tmp_path):
 
 def test_bench_host_overhead_runs():
     run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20")
+
+
+def test_profile_engine_small_accounts_for_the_step(tmp_path):
+    out = tmp_path / "profile.json"
+    run_script("profile_engine.py", "--small", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["wall_ms_per_step"] > 0 and report["device_ms_per_step"] > 0
+    assert sum(report["by_kind_ms"].values()) == pytest.approx(report["device_ms_per_step"])
+    assert any("linear" in name or "mm" in name for name in report["kernels"])

@@ -1,0 +1,133 @@
+"""Where a steady-state decode step's time goes: wall time per step and device time by kernel.
+
+    python benchmarks/profile_engine.py                       # H200: 7B-shaped Llama, 64 x 512 prompt tokens
+    python benchmarks/profile_engine.py --no-graphs           # eager steps (every kernel launched from Python)
+    python benchmarks/profile_engine.py --compile             # compile_model=True
+    python benchmarks/profile_engine.py --small               # CPU: the embedded default model, 4 requests
+
+The engine admits every request and runs until all of them decode; then it times --steps decode
+steps, and profiles as many more with torch.profiler. Kernel time is summed by name and by kind
+(GEMM, Ponytail's attention and cache kernels, sampling, the rest); the gap between wall time and
+device time per step is the device waiting for the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import ponytail
+from ponytail import SamplingParams
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from bench_engine import prompts, seven_b_model, sync  # noqa: E402
+
+# Kernel name fragments -> kind; first match wins.
+KINDS = [
+    ("attention (ponytail decode)", ("paged_decode",)),
+    ("cache write (ponytail)", ("write_slots", "write_kv")),
+    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
+    ("sampling", ("topk", "sort", "softmax", "argmax", "multinomial", "cumsum")),
+]
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, fragments in KINDS:
+        if any(f in lowered for f in fragments):
+            return kind
+    return "other (norms, rotary, adds, activations, copies)"
+
+
+def run_until_decoding(engine, requests, prompt_len, output_len, vocab):
+    params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)
+    for prompt in prompts(requests, prompt_len, vocab):
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.scheduler.waiting or any(not r.output_token_ids for r in engine.scheduler.running):
+        engine.step()
+        steps += 1
+    return steps
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="CPU-sized: the default model, 4 requests")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps timed, then as many profiled")
+    parser.add_argument("--no-graphs", action="store_true", help="eager decode steps (cuda_graphs=False)")
+    parser.add_argument("--compile", action="store_true", help="compile_model=True")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed")
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.small:
+        model, tokenizer = ponytail.load_model()
+        args.requests, args.prompt_len, args.steps = 4, 32, 4
+    elif not torch.cuda.is_available():
+        print("no CUDA device: use --small on the CPU", file=sys.stderr)
+        return 2
+    else:
+        model, tokenizer = seven_b_model("cuda"), None
+    device = next(model.parameters()).device
+    output_len = 3 * args.steps + 16  # nobody finishes inside the measured steps
+    llm = ponytail.LLM(model, tokenizer=tokenizer, max_num_seqs=args.requests,
+                       max_model_len=args.prompt_len + output_len, max_num_batched_tokens=8192,
+                       cuda_graphs=None if device.type == "cuda" and not args.no_graphs else False,
+                       compile_model=args.compile)
+    engine = llm.engine
+    prefill_steps = run_until_decoding(engine, args.requests, args.prompt_len, output_len, model.config.vocab_size)
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync(device)
+    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if device.type == "cuda" and event.device_type.name != "CUDA":
+            continue
+        if device.type == "cpu" and (event.cpu_parent is not None or not event.name.startswith("aten::")):
+            continue  # on the CPU: top-level aten ops stand in for kernels
+        time_us = event.device_time if device.type == "cuda" else event.cpu_time
+        per_kernel[event.name][0] += time_us
+        per_kernel[event.name][1] += 1
+    device_ms = sum(t for t, _ in per_kernel.values()) / 1e3 / args.steps
+    by_kind: dict[str, float] = defaultdict(float)
+    for name, (t, _) in per_kernel.items():
+        by_kind[kind_of(name)] += t / 1e3 / args.steps
+
+    print(f"{args.requests} requests decoding ({prefill_steps} steps to get there), "
+          f"graphs={'off' if args.no_graphs or device.type != 'cuda' else 'on'}, compile={args.compile}")
+    print(f"wall {wall_ms:.2f} ms/step = {args.requests / wall_ms * 1e3:.0f} tok/s; kernels {device_ms:.2f} "
+          f"ms/step; device idle {max(0.0, wall_ms - device_ms):.2f} ms/step")
+    for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:52s} {ms:7.3f} ms/step {ms / device_ms:6.1%}")
+    print(f"\n{'kernel':90s} {'calls/step':>10s} {'us/step':>9s}")
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
+    for name, (t, n) in ranked[: args.top]:
+        print(f"{name[:90]:90s} {n / args.steps:10.1f} {t / args.steps:9.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"wall_ms_per_step": wall_ms, "device_ms_per_step": device_ms, "by_kind_ms": by_kind,
+                       "kernels": {n: {"us_per_step": t / args.steps, "calls_per_step": c / args.steps}
+                                   for n, (t, c) in ranked}}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
