@@ -136,11 +136,14 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     report. choose_replicas reads in-memory state only, never awaits, and costs O(n log n) in the
     number of replicas.
 
-    FIFOMixin hands the chosen replica to the oldest pending request, which may not be the one
-    the ranking was computed for. It is kept because without it Ray matches replicas to requests
-    by internal_request_id, which every engine call made while serving one ingress request shares:
-    two concurrent calls (n > 1) leave the second one unrouted. The ledger charges the request
-    that was actually sent (on_request_routed).
+    The chosen replica goes to the request it was ranked for: Ray's routing tasks finish out of
+    order (each awaits queue-length probes), and FIFOMixin alone would hand the replica picked
+    for a 4k-token prompt to whichever request is oldest, in bursts often a short one.
+    _get_pending_request_matching_metadata finds the ranked request by its metadata object (one
+    per call); only when it is gone does FIFO order decide. Ray's default matching, by
+    internal_request_id, is not used because every engine call made while serving one ingress
+    request shares that id: two concurrent calls (n > 1) would leave the second one unrouted. The
+    ledger charges the request that was actually sent (on_request_routed).
 
     Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S per
     deployment (stats_max_age_s), and tests pass clock:
@@ -216,6 +219,17 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         scored = [((used + load / most_load, -free, random.random()), replica) for used, load, free, replica in fits]
         return [[replica] for tier in (scored, unknown, short)
                 for _, replica in sorted(tier, key=lambda entry: entry[0])]
+
+    def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
+        """FIFOMixin's hook: the pending request whose ranking chose the replica (see the class
+        docstring); None sends the replica to the oldest pending request instead. The deque holds
+        the requests waiting for a replica, a handful even in a burst."""
+        if request_metadata is None:
+            return None
+        for pending in self._pending_requests_to_fulfill:
+            if pending.metadata is request_metadata and not pending.future.done():
+                return pending
+        return None
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         """Charges the request to the replica's ledger.

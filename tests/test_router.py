@@ -386,3 +386,24 @@ def test_without_a_pool_size_load_alone_ranks(clock):
         assert await ranking(router, [busy, idle], request(20, 12)) == ["idle", "busy"]
 
     run(router, body)
+
+
+def test_the_chosen_replica_goes_to_the_request_it_was_ranked_for(clock):
+    """Routing tasks finish out of order: a replica ranked for the newer 4k-token request must not
+    go to the older short one (FIFO order decides only when the ranked request is gone)."""
+    router = make_router(clock)
+    a = FakeReplica("a").report(400, T0)
+
+    async def body():
+        router.update_replicas([a])
+        older, newer = request(10, 5), request(4000, 128)
+        for pending in (older, newer):
+            router._pending_requests_to_fulfill.append(pending)
+            router._add_pending_request_to_indices(pending)
+        router._fulfill_next_pending_request(a, newer.metadata)
+        assert newer.future.done() and newer.future.result() is a and not older.future.done()
+        gone = RequestMetadata(request_id="gone", internal_request_id="gone")
+        router._fulfill_next_pending_request(a, gone)  # ranked request already served: FIFO
+        assert older.future.done() and older.future.result() is a
+
+    asyncio.run(body())
