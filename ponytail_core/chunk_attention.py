@@ -4,7 +4,7 @@ A chunk that starts its sequence (a new prompt without a prefix hit, or a recomp
 preemption) attends only tokens of the same forward pass. Their K/V are in the model's key/value
 tensors already, so reading them back from the blocks would only add a gather. Runs of adjacent
 chunks of one length go to torch SDPA as one dense [rows, heads, length, D] batch made of strided
-views (no copies); on an H200 that is cuDNN's Hopper kernel, 1.8-2.5x faster than flash varlen
+views (no copies); on an H200 that is cuDNN's Hopper kernel, 1.9-2.5x faster than flash varlen
 (docs/benchmarks.md). When the lengths are too varied for a few SDPA calls, one flash varlen call
 takes every chunk instead, still without touching the blocks.
 """
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .paged_attention import _flash_varlen, flash_problem
 
 logger = logging.getLogger("ponytail.kernels")
 
@@ -66,10 +68,8 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
         raise ValueError(f"runs {runs} cover {sum(r.rows * r.length for r in runs)} tokens, query has {tokens}")
     if out is None:
         out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
-    if len(runs) > MAX_SDPA_RUNS and _flash_runs(query):
+    if len(runs) > MAX_SDPA_RUNS and flash_problem(query.device, query.dtype, head_dim) is None:
         _log(f"flash varlen over the chunks' own K/V ({len(runs)} distinct runs of lengths)")
-        from .paged_attention import _flash_varlen
-
         out.copy_(_flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
                                 cu_seq_q, max_query_len, max_query_len, scale))
         return out
@@ -85,14 +85,6 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
                                            scale=scale, enable_gqa=gqa)
         out[run.start : end].view(run.rows, run.length, heads, head_dim).copy_(o.transpose(1, 2))
     return out
-
-
-def _flash_runs(query: torch.Tensor) -> bool:
-    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    from .paged_attention import _flash_problem
-
-    return _flash_problem(query.device.index) is None and query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
 
 
 _logged: set[str] = set()

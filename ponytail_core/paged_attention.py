@@ -329,16 +329,20 @@ def _flash_problem(device_index: int) -> str | None:
     return None
 
 
+def flash_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why torch's flash attention cannot run on these tensors (None: it can)."""
+    if device.type != "cuda":
+        return f"device is {device}, not CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention takes fp16/bf16, got {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"flash attention takes head_dim a multiple of 8 up to 256, got {head_dim}"
+    return _flash_problem(device.index)
+
+
 def flash_varlen_problem(storage: PagedKVStorage) -> str | None:
     """Why the flash varlen prefill cannot run on this cache (None: it can)."""
-    c = storage.config
-    if storage.device.type != "cuda":
-        return f"device is {storage.device}, not CUDA"
-    if c.dtype not in (torch.float16, torch.bfloat16):
-        return f"flash attention takes fp16/bf16, the cache is {c.dtype}"
-    if c.head_dim % 8 or c.head_dim > 256:
-        return f"flash attention takes head_dim a multiple of 8 up to 256, got {c.head_dim}"
-    return _flash_problem(storage.device.index)
+    return flash_problem(storage.device, storage.config.dtype, storage.config.head_dim)
 
 
 @functools.cache

@@ -2,6 +2,7 @@
 defragmentation, prefix reuse, aborts, seeds and refused input."""
 
 import asyncio
+import logging
 import random
 import shutil
 
@@ -103,12 +104,16 @@ def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_mo
     assert engine.cache.invariants() == []
 
 
-def test_prefix_reuse_hits_and_keeps_outputs(small_model):
+def test_prefix_reuse_hits_and_keeps_outputs(small_model, caplog):
     llm = make_llm(small_model)
     prefix = random_prompts(1, seed=5, low=32, high=32)[0]
     prompts = random_prompts(6, seed=6, low=2, high=9, shared_prefix=prefix)
-    first = llm.generate(prompts[:1], GREEDY)
-    rest = llm.generate(prompts[1:], GREEDY)
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        first = llm.generate(prompts[:1], GREEDY)
+        rest = llm.generate(prompts[1:], GREEDY)
+    # The first prompt has no context: its own K/V; the others start after cached blocks: paged.
+    assert "prefill without context: torch SDPA" in caplog.text
+    assert "paged_attention prefill: fallback" in caplog.text
     stats = llm.stats()
     assert stats.prefix_cache_hits >= 5 * 32 - 4  # every later prompt reuses the cached prefix blocks
     assert 0 < stats.prefix_hit_rate < 1
