@@ -41,14 +41,16 @@ class FakeClock:
 class FakeReplica(RunningReplica):
     """What the router reads of a replica: its id, its last stats report and its queue length."""
 
-    def __init__(self, name: str, queue_len: int = 0):
+    def __init__(self, name: str, queue_len: int = 0, probe_delay_s: float = 0.0):
         self._replica_id = ReplicaID(unique_id=name, deployment_id=DEPLOYMENT_ID)
         self.stats: dict = {}
         self.queue_len = queue_len
         self.num_probes = 0
+        self.probe_delay_s = probe_delay_s  # how long its queue-length probe takes to answer
 
-    def report(self, free_blocks: int, at: float, running: int = 0, waiting: int = 0, block_size: int = 16):
-        self.stats = {"free_blocks": free_blocks, "total_blocks": 64, "num_running": running,
+    def report(self, free_blocks: int, at: float, running: int = 0, waiting: int = 0, block_size: int = 16,
+               total_blocks: int = 64):
+        self.stats = {"free_blocks": free_blocks, "total_blocks": total_blocks, "num_running": running,
                       "num_waiting": waiting, "block_size": block_size, "time": at}
         return self
 
@@ -81,6 +83,8 @@ class FakeReplica(RunningReplica):
 
     async def get_queue_len(self, *, deadline_s: float) -> int:
         self.num_probes += 1
+        if self.probe_delay_s:
+            await asyncio.sleep(self.probe_delay_s)
         return self.queue_len
 
     def try_send_request(self, pr, with_rejection):
@@ -407,3 +411,23 @@ def test_the_chosen_replica_goes_to_the_request_it_was_ranked_for(clock):
         assert older.future.done() and older.future.result() is a
 
     asyncio.run(body())
+
+
+def test_a_burst_routed_out_of_order_still_sends_the_long_prompt_where_it_fits(clock):
+    """Through Ray's routing loop: the short request (older) ranks "roomy-but-busy" below "small",
+    whose queue-length probe is slow; the long one fits only "roomy", whose probe answers first.
+    Matched by arrival order, "roomy" would go to the short request and the long one to "small"."""
+    router = make_router(clock)
+    roomy = FakeReplica("roomy").report(300, T0, total_blocks=1000)  # 70% in use, room for 258 blocks
+    small = FakeReplica("small", probe_delay_s=0.02).report(50, T0)  # 22% in use, 50 blocks
+
+    async def body():
+        router.update_replicas([roomy, small])
+        short, long = request(100, 20), request(4000, 128)  # 8 and 258 blocks
+        assert await ranking(router, [roomy, small], short) == ["small", "roomy"]
+        assert await ranking(router, [roomy, small], long) == ["roomy", "small"]
+        chosen = await asyncio.wait_for(asyncio.gather(router._choose_replica_for_request(short),
+                                                       router._choose_replica_for_request(long)), timeout=5)
+        assert chosen == [small, roomy]
+
+    run(router, body)
