@@ -59,3 +59,13 @@ def test_profile_engine_small_accounts_for_the_step(tmp_path):
     assert report["wall_ms_per_step"] > 0 and report["device_ms_per_step"] > 0
     assert sum(report["by_kind_ms"].values()) == pytest.approx(report["device_ms_per_step"])
     assert any("linear" in name or "mm" in name for name in report["kernels"])
+
+
+@pytest.mark.slow
+def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
+    out = tmp_path / "router.json"
+    run_script("bench_router.py", "--small", "--json", str(out))  # exits 1 if any request failed
+    report = json.loads(out.read_text())
+    assert set(report["pooled"]) == {"kv_blocks", "power_of_two"}
+    for runs in report["runs"].values():
+        assert sum(runs[0]["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
