@@ -221,8 +221,9 @@ def main() -> int:
               f"p99 {r['ttft_p99'] or float('nan'):.3f} s, {r['failed']} failed, {r['preemptions']} preemptions")
     kv, p2 = results.get("kv_blocks"), results.get("power_of_two")
     if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
+        change = 100 * (1 - kv["ttft_p99"] / p2["ttft_p99"])
         print(f"throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
-              f"p99 TTFT {100 * (1 - kv['ttft_p99'] / p2['ttft_p99']):.0f}% lower")
+              f"p99 TTFT {abs(change):.0f}% {'lower' if change >= 0 else 'higher'} with the KV-block router")
     for router_runs in runs.values():
         for r in router_runs:
             del r["ttfts"]  # the JSON keeps percentiles, not every sample
