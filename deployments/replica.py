@@ -24,9 +24,9 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = 16,
-                 model_id: str | None = None):
+                 model_id: str | None = None, compile_model: bool = False):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, block_size=block_size)
+                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)
         self.engine = ponytail.AsyncLLM(self.llm)
         self.tokenizer = self.llm.tokenizer
         config = self.llm.engine.cache.config

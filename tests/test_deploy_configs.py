@@ -34,6 +34,20 @@ def test_app_args_are_checked():
         AppArgs(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, power_of_two"):
         AppArgs(router="random")
+    with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false"):
+        AppArgs(compile_model="yes")
+
+
+def test_engine_arguments_reach_the_replica_constructor():
+    import inspect
+
+    from deployments.app import AppArgs, engine_arguments
+    from deployments.replica import EngineReplica
+
+    args = engine_arguments(AppArgs(compile_model=True, max_num_seqs=8), gpu=False)
+    assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
+    assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
+    assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
 
 
 def test_cluster_yaml_matches_the_cluster_launchers_schema():
