@@ -23,10 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ponytail
+from bench_engine import prompts, seven_b_model, sync  # benchmarks/ is on sys.path when run as a script
 from ponytail import SamplingParams
-
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_engine import prompts, seven_b_model, sync  # noqa: E402
 
 # Kernel name fragments -> kind; first match wins.
 KINDS = [
