@@ -54,6 +54,17 @@ def seven_b_model(device) -> torch.nn.Module:
     return model.eval()
 
 
+def bench_model(small: bool):
+    """(model, tokenizer): the embedded default model on the CPU with --small, else the 7B-shaped
+    Llama on CUDA (no tokenizer: token ids only); None, said on stderr, when there is no CUDA."""
+    if small:
+        return ponytail.load_model()
+    if not torch.cuda.is_available():
+        print("no CUDA device: use --small on the CPU", file=sys.stderr)
+        return None
+    return seven_b_model("cuda"), None
+
+
 def prompts(n, length, vocab, seed=0):
     rng = random.Random(seed)
     return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
@@ -252,14 +263,12 @@ def main() -> int:
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
     args = parser.parse_args()
+    loaded = bench_model(args.small)
+    if loaded is None:
+        return 2
+    model, tokenizer = loaded
     if args.small:
-        model, tokenizer = ponytail.load_model()
         args.requests, args.prompt_len, args.output_len = 8, 32, 32
-    else:
-        if not torch.cuda.is_available():
-            print("no CUDA device: use --small on the CPU", file=sys.stderr)
-            return 2
-        model, tokenizer = seven_b_model("cuda"), None
     device = next(model.parameters()).device
     vocab = model.config.vocab_size
     batch = prompts(args.requests, args.prompt_len, vocab)

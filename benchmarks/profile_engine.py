@@ -23,7 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import ponytail
-from bench_engine import prompts, seven_b_model, sync  # benchmarks/ is on sys.path when run as a script
+from bench_engine import bench_model, prompts, sync  # benchmarks/ is on sys.path when run as a script
 from ponytail import SamplingParams
 
 # Kernel name fragments -> kind; first match wins.
@@ -65,14 +65,12 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     parser.add_argument("--json")
     args = parser.parse_args()
-    if args.small:
-        model, tokenizer = ponytail.load_model()
-        args.requests, args.prompt_len, args.steps = 4, 32, 4
-    elif not torch.cuda.is_available():
-        print("no CUDA device: use --small on the CPU", file=sys.stderr)
+    loaded = bench_model(args.small)
+    if loaded is None:
         return 2
-    else:
-        model, tokenizer = seven_b_model("cuda"), None
+    model, tokenizer = loaded
+    if args.small:
+        args.requests, args.prompt_len, args.steps = 4, 32, 4
     device = next(model.parameters()).device
     output_len = 3 * args.steps + 16  # nobody finishes inside the measured steps
     llm = ponytail.LLM(model, tokenizer=tokenizer, max_num_seqs=args.requests,

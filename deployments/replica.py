@@ -74,14 +74,11 @@ class EngineReplica:
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
                 STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time()}
 
-    def engine_stats(self) -> tuple[str, ponytail.EngineStats]:
-        """(this replica's actor name, engine stats): for operators and tests."""
-        return _actor_name(), self.llm.stats()
-
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""
-        return ReplicaReport(replica=_actor_name(), info=self.info, routing=self.record_routing_stats(),
-                             num_requests=self.num_requests, stats=self.llm.stats())
+        return ReplicaReport(replica=ray.get_runtime_context().get_actor_name() or "local", info=self.info,
+                             routing=self.record_routing_stats(), num_requests=self.num_requests,
+                             stats=self.llm.stats())
 
     def _blocks_promised_to_waiting(self) -> int:
         """Blocks the queued requests will take: free blocks they will claim are not free to others."""
@@ -97,10 +94,6 @@ class EngineReplica:
     def _max_blocks(self) -> int:
         cache = self.llm.engine.cache
         return cache.max_chunks * cache.storage.chunk_blocks
-
-
-def _actor_name() -> str:
-    return ray.get_runtime_context().get_actor_name() or "local"
 
 
 def _in_serve() -> bool:

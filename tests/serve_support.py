@@ -8,6 +8,7 @@ import ray
 from ray import serve
 
 from deployments.app import build
+from deployments.reports import replica_reports
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -34,13 +35,6 @@ def running_app(**args):
         ray.shutdown()
 
 
-def replica_stats(replicas: int = 2, attempts: int = 80) -> dict:
+def replica_stats(replicas: int = 2) -> dict:
     """{actor name: EngineStats} of every engine replica (the router picks one per call)."""
-    handle = serve.get_deployment_handle("EngineReplica", app_name="ponytail")
-    seen = {}
-    for _ in range(attempts):
-        name, stats = handle.engine_stats.remote().result()
-        seen[name] = stats
-        if len(seen) == replicas:
-            break
-    return seen
+    return {name: report.stats for name, report in replica_reports("ponytail", replicas=replicas).items()}
