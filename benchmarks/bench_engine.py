@@ -263,6 +263,10 @@ def main() -> int:
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
     args = parser.parse_args()
+    peers = args.peers.split(",")
+    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled"})
+    if unknown:
+        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled")
     loaded = bench_model(args.small)
     if loaded is None:
         return 2
@@ -276,10 +280,6 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
-    peers = args.peers.split(",")
-    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled"})
-    if unknown:
-        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled")
     variants = [p for p in ("ponytail", "ponytail_compiled") if p in peers]
 
     # 1. Correctness first: greedy tokens against plain generate on a few requests, every step given

@@ -69,3 +69,11 @@ def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
     assert set(report["pooled"]) == {"kv_blocks", "power_of_two"}
     for runs in report["runs"].values():
         assert sum(runs[0]["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
+
+
+def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
+                             "--peers", "plain,vllm"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert ("--peers: unknown ['vllm']; allowed: plain, generate_batch, ponytail, ponytail_compiled"
+            in result.stderr)
