@@ -1,7 +1,7 @@
 """The KV-block router against Serve's default power-of-two router, same workload, one run.
 
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random   # two GPUs, one replica each
-    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --rounds 4   # pooled, orders alternate
+    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --rounds 2 --gaps 1.0,1.5,2.0
     python benchmarks/bench_router.py --small                                # CPU sanity run, default model
 
 Two Serve apps with identical engine replicas differ only in their request router. Each gets the
@@ -12,11 +12,17 @@ ones, so where the long prompts land decides who waits. Prompts are sent as toke
 exact length with the model's own tokenizer: both routers see their true size (for text the
 KV-block router estimates ~3 characters per token).
 
-Prints the KV budget, then per router and round: throughput (completion tokens/s), p50/p99 time
-to first token, failed requests, preemptions, and requests and prompt tokens taken by each
-replica; then each router's rounds pooled (total tokens over total time, percentiles over every
-request: one ~10 s round's p99 is a single request); writes JSON with --json. --model: a local checkpoint (random_checkpoint.py builds one for the GPU
-machine); default: the embedded SmolLM2-135M-Instruct.
+--gaps sets the seconds between bursts, one load per value (new prompts for each, the same for
+both routers), all on the same deployment: short gaps offer more than two replicas can serve
+(both routers then only work through a backlog), longer ones less, where placement decides.
+Rounds repeat everything with the routers' order reversed.
+
+Prints the KV budget, then per router, load and round: throughput (completion tokens/s), p50/p99
+time to first token, failed requests, preemptions, and requests and prompt tokens taken by each
+replica; then each router's rounds pooled per load (total tokens over total time, percentiles
+over every request: one ~10 s round's p99 is a single request); writes JSON with --json. --model:
+a local checkpoint (random_checkpoint.py builds one for the GPU machine); default: the embedded
+SmolLM2-135M-Instruct.
 """
 
 from __future__ import annotations
@@ -137,14 +143,25 @@ def replica_counters(app_name) -> dict[str, tuple[int, int, int]]:
             for name, r in replica_reports(app_name, replicas=2).items()}
 
 
+def gap_list(text: str) -> list[float]:
+    try:
+        gaps = [float(g) for g in text.split(",")]
+    except ValueError:
+        gaps = []
+    if not gaps or any(not g >= 0 for g in gaps):
+        raise argparse.ArgumentTypeError(f"--gaps {text!r}: expected seconds >= 0, comma-separated")
+    return gaps
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU sizes")
     parser.add_argument("--model", help="local checkpoint directory (default: the embedded default model)")
-    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--requests", type=int, default=96, help="requests per load")
     parser.add_argument("--long-per-replica", type=int, default=4,
                         help="long requests (prompt + max_tokens) one replica's KV pool holds at once")
-    parser.add_argument("--gap", type=float, help="seconds between bursts (default: 1.0 on GPUs, 0.5 --small)")
+    parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
+                        "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
                         help="order of the runs in the first round (later rounds alternate it)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -152,15 +169,14 @@ def main() -> int:
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.small:
-        sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, gap_s=0.5,
-                     max_model_len=1024)
+        sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, max_model_len=1024)
         engine = dict(device="cpu", max_num_seqs=8)
+        gaps = args.gaps or [0.5]
     else:
         sizes = dict(n=args.requests, long_share=0.25, long_len=4000, short_len=64, max_tokens=128, burst=16,
-                     gap_s=1.0, max_model_len=4224)
+                     max_model_len=4224)
         engine = dict(device="cuda", max_num_seqs=64)
-    if args.gap is not None:
-        sizes["gap_s"] = args.gap
+        gaps = args.gaps or [1.0]
     assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
     model_dir = args.model or str(ponytail.model_loader.default_checkpoint())
     budget = kv_budget(model_dir, engine["device"], args.long_per_replica, sizes)
@@ -172,12 +188,14 @@ def main() -> int:
           f"{sizes['burst']} x ({sizes['short_len']} + {sizes['max_tokens']}) short")
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    prompts = workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"], seed=0)
-    warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))  # other prompts: no prefix-cache hits later
+    loads = [(gap, workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"],
+                            seed=index)) for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
+    warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))
               for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
-    lengths = sorted({len(p) for p in prompts})
-    print(f"{len(prompts)} prompts, {sum(len(p) == sizes['long_len'] for p in prompts)} long; lengths {lengths} "
-          f"(+ max_tokens {sizes['max_tokens']} <= max_model_len {sizes['max_model_len']})")
+    for gap, prompts in loads:
+        print(f"load gap {gap} s: {len(prompts)} prompts in bursts of {sizes['burst']}, "
+              f"{sum(len(p) == sizes['long_len'] for p in prompts)} long ({sizes['long_len']} tokens, the rest "
+              f"{sizes['short_len']}), + max_tokens {sizes['max_tokens']}")
 
     port = free_port()
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
@@ -193,45 +211,52 @@ def main() -> int:
                           route_prefix=f"/{router}")
                 base = f"http://127.0.0.1:{port}/{router}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
-                before = replica_counters(name)
-                result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], sizes["gap_s"])
-                after = replica_counters(name)
-                deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
-                result.update(round=round_index, replica_requests=[d[0] for d in deltas],
-                              replica_prompt_tokens=[d[1] for d in deltas], preemptions=sum(d[2] for d in deltas))
-                runs.setdefault(router, []).append(result)
+                for gap, prompts in loads:
+                    before = replica_counters(name)
+                    result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap)
+                    after = replica_counters(name)
+                    deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
+                    result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
+                                  replica_prompt_tokens=[d[1] for d in deltas],
+                                  preemptions=sum(d[2] for d in deltas))
+                    runs.setdefault(router, []).append(result)
                 serve.delete(name)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    print(f"\n{'round':>5s} {'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} {'preempt':>8s}  "
-          "per replica: requests, prompt tokens")
-    for router, router_runs in runs.items():
-        for r in router_runs:
-            print(f"{r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} {r['ttft_p50'] or float('nan'):9.3f} "
-                  f"{r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} {r['preemptions']:8d}  "
-                  f"{r['replica_requests']}, {r['replica_prompt_tokens']}")
-            for error in r["errors"]:
-                print(f"  error: {error}")
-    results = {router: pooled(router_runs) for router, router_runs in runs.items()}
+    print(f"\n{'gap':>4s} {'round':>5s} {'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} "
+          f"{'preempt':>8s}  per replica: requests, prompt tokens")
+    for gap in gaps:
+        for router, router_runs in runs.items():
+            for r in (r for r in router_runs if r["gap"] == gap):
+                print(f"{gap:4.1f} {r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} "
+                      f"{r['ttft_p50'] or float('nan'):9.3f} {r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} "
+                      f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
+                for error in r["errors"]:
+                    print(f"  error: {error}")
+    results = {router: {str(gap): pooled([r for r in router_runs if r["gap"] == gap]) for gap in gaps}
+               for router, router_runs in runs.items()}
     print(f"\npooled over {args.rounds} round(s):")
-    for router, r in results.items():
-        print(f"  {router:14s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50 {r['ttft_p50'] or float('nan'):.3f} s, "
-              f"p99 {r['ttft_p99'] or float('nan'):.3f} s, {r['failed']} failed, {r['preemptions']} preemptions")
-    kv, p2 = results.get("kv_blocks"), results.get("power_of_two")
-    if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
-        change = 100 * (1 - kv["ttft_p99"] / p2["ttft_p99"])
-        print(f"throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
-              f"p99 TTFT {abs(change):.0f}% {'lower' if change >= 0 else 'higher'} with the KV-block router")
+    for gap in gaps:
+        for router, per_gap in results.items():
+            r = per_gap[str(gap)]
+            print(f"  gap {gap:.1f} s {router:14s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50 "
+                  f"{r['ttft_p50'] or float('nan'):.3f} s, p99 {r['ttft_p99'] or float('nan'):.3f} s, "
+                  f"{r['failed']} failed, {r['preemptions']} preemptions")
+        kv, p2 = results.get("kv_blocks", {}).get(str(gap)), results.get("power_of_two", {}).get(str(gap))
+        if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
+            change = 100 * (1 - kv["ttft_p99"] / p2["ttft_p99"])
+            print(f"  gap {gap:.1f} s: throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
+                  f"p99 TTFT {abs(change):.0f}% {'lower' if change >= 0 else 'higher'} with the KV-block router")
     for router_runs in runs.values():
         for r in router_runs:
             del r["ttfts"]  # the JSON keeps percentiles, not every sample
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "engine": engine, "kv_budget": budget, "pooled": results, "runs": runs},
-                      f, indent=2)
-    return 1 if any(r["failed"] for r in results.values()) else 0
+            json.dump({"sizes": sizes, "gaps": gaps, "engine": engine, "kv_budget": budget, "pooled": results,
+                       "runs": runs}, f, indent=2)
+    return 1 if any(r["failed"] for per_gap in results.values() for r in per_gap.values()) else 0
 
 
 if __name__ == "__main__":

@@ -66,10 +66,16 @@ class EngineReplica:
         return self.info
 
     def record_routing_stats(self) -> dict:
-        """Read by the KV-block router every stats period: cheap, no waiting on the engine step."""
+        """Read by the KV-block router every stats period: cheap, no waiting on the engine step.
+
+        free_blocks is what a new request can count on: blocks free now (evictable prefix blocks
+        included) plus what the pool may still grow by, less what the requests already here will
+        still take until they reach max_tokens (TGI reserves the same way). A router that sends
+        only where this covers a request never makes the replica preempt.
+        """
         stats = self.llm.engine.stats()  # plain counters: no engine lock, no wait on a running step
         self.metrics.on_stats(stats)
-        free = stats.free_blocks + self._growable_blocks() - self._blocks_promised_to_waiting()
+        free = stats.free_blocks + self._growable_blocks() - self._blocks_promised()
         return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: self._max_blocks(),
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
                 STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time()}
@@ -80,12 +86,22 @@ class EngineReplica:
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats())
 
-    def _blocks_promised_to_waiting(self) -> int:
-        """Blocks the queued requests will take: free blocks they will claim are not free to others."""
+    def _blocks_promised(self) -> int:
+        """Blocks queued and running requests will still take to reach prompt + max_tokens.
+
+        A running request holds blocks for its tokens so far; a waiting one (new or preempted)
+        holds none. Snapshots of the engine's lists: its thread may change them meanwhile, and a
+        request counted twice or missed in one report is corrected by the next.
+        """
         block_size = self.info.block_size
-        waiting = list(self.llm.engine.scheduler.waiting)  # a snapshot; the engine thread may change it
-        return sum(-(-(r.num_tokens + r.params.max_tokens - len(r.output_token_ids)) // block_size)
-                   for r in waiting)
+        scheduler = self.llm.engine.scheduler
+        promised = 0
+        for requests, running in ((list(scheduler.waiting), False), (list(scheduler.running), True)):
+            for r in requests:
+                need = -(-(len(r.prompt_token_ids) + r.params.max_tokens) // block_size)
+                held = -(-r.num_tokens // block_size) if running else 0
+                promised += max(0, need - held)
+        return promised
 
     def _growable_blocks(self) -> int:
         cache = self.llm.engine.cache

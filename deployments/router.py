@@ -7,6 +7,7 @@ docstring shows the config to use.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import time
@@ -62,57 +63,74 @@ def request_tokens(pending_request: PendingRequest | None) -> int | None:
 
 
 def blocks_needed(tokens: int | None, block_size: int) -> int:
-    """ceil(tokens / block_size); one block for a request that is not a GenerateRequest."""
-    return 1 if tokens is None else max(1, -(-tokens // block_size))
+    """ceil(tokens / block_size); none for a call that is not a generate request (report,
+    model_info, abort): it fits every replica and is never held."""
+    return 0 if tokens is None else max(1, -(-tokens // block_size))
 
 
 @dataclass(slots=True)
 class Ledger:
-    """What this router sent one replica: blocks its latest report cannot show yet, requests still running."""
+    """What this router knows of one replica that its latest report cannot show yet.
+
+    Sends routed after the report was taken still need their blocks there; requests that
+    completed after it have given theirs back. A newer report counts both, so it drops them.
+    """
 
     report_time: float = -math.inf  # `time` of the newest report seen
     sends: deque[tuple[float, int]] = field(default_factory=deque)  # (router clock when routed, blocks), oldest first
     sent_blocks: int = 0  # sum of the blocks in `sends`
-    in_flight: dict[str, int] = field(default_factory=dict)  # internal_request_id -> routed and not completed
-    num_in_flight: int = 0  # sum of in_flight's values
+    returns: deque[tuple[float, int]] = field(default_factory=deque)  # (router clock when completed, blocks)
+    returned_blocks: int = 0  # sum of the blocks in `returns`
+    in_flight: dict[str, list[int]] = field(default_factory=dict)  # internal_request_id -> blocks of each call
+    num_in_flight: int = 0  # calls routed and not completed
+
+    @property
+    def unreported_blocks(self) -> int:
+        """Blocks to take off the report's free count (negative: blocks to add)."""
+        return self.sent_blocks - self.returned_blocks
 
     def observe(self, report: Report) -> None:
-        """A newer report already counts the sends routed before it was taken."""
+        """A newer report already counts what was sent and returned before it was taken."""
         if report.time > self.report_time:
             self.report_time = report.time
-            self.forget_sends(report.time)
+            self.forget(report.time)
 
-    def forget_sends(self, until: float) -> None:
-        """Drops the sends routed at or before `until`."""
+    def forget(self, until: float) -> None:
+        """Drops the sends and returns recorded at or before `until`."""
         while self.sends and self.sends[0][0] <= until:
             self.sent_blocks -= self.sends.popleft()[1]
+        while self.returns and self.returns[0][0] <= until:
+            self.returned_blocks -= self.returns.popleft()[1]
 
     def add_send(self, now: float, blocks: int, request_id: str) -> None:
         self.sends.append((now, blocks))
         self.sent_blocks += blocks
-        self.in_flight[request_id] = self.in_flight.get(request_id, 0) + 1
+        self.in_flight.setdefault(request_id, []).append(blocks)
         self.num_in_flight += 1
 
-    def complete(self, request_id: str) -> None:
-        count = self.in_flight.get(request_id)
-        if not count:  # rejected by the replica, so never routed: Ray still reports it completed
+    def complete(self, now: float, request_id: str) -> None:
+        calls = self.in_flight.get(request_id)
+        if not calls:  # rejected by the replica, so never routed: Ray still reports it completed
             return
-        if count == 1:
+        blocks = calls.pop(0)
+        if not calls:
             del self.in_flight[request_id]
-        else:
-            self.in_flight[request_id] = count - 1
         self.num_in_flight -= 1
+        self.returns.append((now, blocks))
+        self.returned_blocks += blocks
 
 
 class KVBlockRouter(FIFOMixin, RequestRouter):
     """Ranks engine replicas by the KV-cache blocks they have free for this request.
 
     Every `request_routing_stats_period_s` each replica reports (record_routing_stats) its free
-    blocks, running and waiting requests, block size and the time of the reading. A request needs
-    ceil((prompt tokens + max_tokens) / block_size) blocks, from its GenerateRequest (one block if
-    the first argument is something else). A replica's effective free blocks are its reported free
-    blocks minus the blocks this router routed to it after that report was taken (the ledger; a
-    newer report drops the sends it already counts). Replicas are then ranked in three tiers:
+    blocks (what is left once the requests it has reach max_tokens), running and waiting requests,
+    block size and the time of the reading. A request needs ceil((prompt tokens + max_tokens) /
+    block_size) blocks, from its GenerateRequest (none if the first argument is something else:
+    such calls fit everywhere). A replica's effective free blocks are its reported free blocks minus the blocks this
+    router routed to it after that report was taken, plus the blocks of requests that completed
+    since (the ledger; a newer report drops what it already counts). Replicas are then ranked in
+    three tiers:
 
     1. fresh report, effective free blocks >= need: lowest score first, where score = the share of
        the pool in use (1 - effective free / total) + the load (running + waiting, plus this
@@ -128,6 +146,14 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     request would wait or preempt there, while an unreported replica (just started, or its reports
     are late) may well have room; Ray's queue-length check still keeps full replicas out. When
     every report is stale the router degrades to least-queue routing.
+
+    When every replica has a fresh report and none has room, the request is held here (polling
+    every HOLD_POLL_S) rather than queued in one engine: it then goes to whichever replica frees
+    blocks first, as one queue in front of all replicas would send it, instead of waiting behind
+    one engine's requests while another has room. Ray routes pending requests in arrival order,
+    so held requests keep first-come-first-served order. After max_hold_s (or at once when its
+    blocks exceed every replica's whole pool, so the engine refuses it with a clear error) it
+    goes to tier 3's first replica. Ray's max_queued_requests still bounds what waits here.
 
     Each rank holds one replica: Ray picks the shortest queue within a rank, so ranks of one keep
     the block order, and Ray moves on to the next rank when a replica's queue is full
@@ -145,13 +171,13 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     request shares that id: two concurrent calls (n > 1) would leave the second one unrouted. The
     ledger charges the request that was actually sent (on_request_routed).
 
-    Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S per
-    deployment (stats_max_age_s), and tests pass clock:
+    Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S and
+    MAX_HOLD_S per deployment (stats_max_age_s, max_hold_s), and tests pass clock:
 
         RequestRouterConfig(request_router_class="deployments.router:KVBlockRouter",
                             request_routing_stats_period_s=0.2,
                             request_routing_stats_timeout_s=0.2,
-                            request_router_kwargs={"stats_max_age_s": 1.0})
+                            request_router_kwargs={"stats_max_age_s": 1.0, "max_hold_s": 10.0})
     """
 
     STATS_MAX_AGE_S = 1.0
@@ -159,27 +185,36 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     0.1 s control loop, then a broadcast): at a 0.2 s period they arrived 0.1-0.35 s old on an
     idle local cluster. About 3x the period plus a few loop ticks."""
 
+    MAX_HOLD_S = 10.0
+    """How long a request may wait here while no replica has room for it; then it goes to the
+    replica closest to having room, whose engine queues it. 0: never hold."""
+
+    HOLD_POLL_S = 0.02
+    """How often a held request looks again: completions seen here free blocks at once, reports
+    arrive every stats period."""
+
     FALLBACK_BLOCK_SIZE = 16
     """Converts a send to blocks before the replica has ever reported its block size."""
+
+    _HELD_SINCE = "ponytail_held_since"  # attribute set on a held request's routing_context
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.clock: Callable[[], float] = time.time
         self.stats_max_age_s = self.STATS_MAX_AGE_S
+        self.max_hold_s = self.MAX_HOLD_S
         self._ledgers: dict[ReplicaID, Ledger] = {}
 
     def initialize_state(self, clock: Callable[[], float] | None = None, stats_max_age_s: float | None = None,
-                         **unknown):
+                         max_hold_s: float | None = None, **unknown):
         """Takes `request_router_config.request_router_kwargs`."""
         if unknown:
             raise ValueError(f"request_router_kwargs {sorted(unknown)} are not known to KVBlockRouter; "
-                             "expected: stats_max_age_s (seconds), clock (tests)")
+                             "expected: stats_max_age_s (seconds), max_hold_s (seconds), clock (tests)")
         if stats_max_age_s is not None:
-            number = isinstance(stats_max_age_s, (int, float)) and not isinstance(stats_max_age_s, bool)
-            if not (number and stats_max_age_s > 0):
-                raise ValueError(f"request_router_kwargs stats_max_age_s={stats_max_age_s!r}; "
-                                 "expected seconds > 0")
-            self.stats_max_age_s = float(stats_max_age_s)
+            self.stats_max_age_s = _seconds("stats_max_age_s", stats_max_age_s, allow_zero=False)
+        if max_hold_s is not None:
+            self.max_hold_s = _seconds("max_hold_s", max_hold_s, allow_zero=True)
         if clock is not None:
             self.clock = clock
 
@@ -195,6 +230,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         now = self.clock()
         tokens = request_tokens(pending_request)
         fits, unknown, short = [], [], []
+        could_ever_fit = False  # some replica's whole pool holds the request
         for replica in candidate_replicas:
             replica_id = replica.replica_id
             if replica_id not in self._replicas:  # died after the caller took its list
@@ -206,8 +242,9 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             if report is None or now - report.time > self.stats_max_age_s:
                 unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
                 continue
-            free = report.free_blocks - ledger.sent_blocks
+            free = report.free_blocks - ledger.unreported_blocks
             need = blocks_needed(tokens, report.block_size)
+            could_ever_fit |= report.total_blocks <= 0 or need <= report.total_blocks
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
                 load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
@@ -215,10 +252,30 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
                 fits.append((used, load, free, replica))
             else:
                 short.append(((need - free, report.load, random.random()), replica))
+        if not fits and not unknown and could_ever_fit and self._hold(pending_request, now):
+            await asyncio.sleep(self.HOLD_POLL_S)
+            return []
         most_load = max((load for _, load, _, _ in fits), default=0) or 1
         scored = [((used + load / most_load, -free, random.random()), replica) for used, load, free, replica in fits]
         return [[replica] for tier in (scored, unknown, short)
                 for _, replica in sorted(tier, key=lambda entry: entry[0])]
+
+    def _hold(self, pending_request: PendingRequest | None, now: float) -> bool:
+        """Keep the request here for another poll: no replica has room now, and it has waited
+        less than max_hold_s. Waiting here rather than in one engine's queue, it goes to whichever
+        replica frees blocks first (one queue for all replicas, first come first served: Ray
+        routes pending requests in arrival order)."""
+        if pending_request is None or self.max_hold_s <= 0:
+            return False
+        context = pending_request.routing_context
+        since = getattr(context, self._HELD_SINCE, None)
+        if since is None:
+            setattr(context, self._HELD_SINCE, now)
+            since = now
+        if now - since >= self.max_hold_s:
+            return False
+        context.should_backoff = False  # we poll every HOLD_POLL_S; Ray's backoff would grow to 0.5 s
+        return True
 
     def _get_pending_request_matching_metadata(self, request_metadata=None) -> PendingRequest | None:
         """FIFOMixin's hook: the pending request whose ranking chose the replica (see the class
@@ -244,7 +301,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         ledger = self._ledger(replica_id)
         # Any report fresh enough to be used drops these sends anyway; a replica that never
         # reports again must not grow its ledger forever.
-        ledger.forget_sends(now - self.stats_max_age_s)
+        ledger.forget(now - self.stats_max_age_s)
         report = read_report(replica.routing_stats)
         if report is not None:
             ledger.observe(report)
@@ -255,7 +312,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ledger = self._ledgers.get(replica_id)
         if ledger is not None:
-            ledger.complete(internal_request_id)
+            ledger.complete(self.clock(), internal_request_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -275,3 +332,12 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     def _queue_len(self, replica_id: ReplicaID, ledger: Ledger) -> int:
         cached = self.replica_queue_len_cache.get(replica_id)
         return max(cached or 0, ledger.num_in_flight)
+
+
+def _seconds(name: str, value: Any, allow_zero: bool) -> float:
+    """A request_router_kwargs duration, checked."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and (value >= 0 if allow_zero else value > 0)):
+        raise ValueError(f"request_router_kwargs {name}={value!r}; expected seconds "
+                         f"{'>= 0' if allow_zero else '> 0'}")
+    return float(value)

@@ -143,7 +143,7 @@ def test_request_size_in_blocks():
         assert request_tokens(text) == 300 // 3 + 16 + 16
         other = PendingRequest(args=[{"prompt": "hi"}], kwargs={},
                                metadata=RequestMetadata(request_id="o", internal_request_id="o"))
-        assert request_tokens(other) is None and blocks_needed(None, 16) == 1
+        assert request_tokens(other) is None and blocks_needed(None, 16) == 0
         assert request_tokens(None) is None
 
     asyncio.run(body())
@@ -198,7 +198,8 @@ def test_large_request_goes_to_the_replica_that_fits(clock):
 
 def test_ledger_subtracts_sends_until_a_newer_report(clock):
     router = make_router(clock)
-    a, b = FakeReplica("a").report(10, T0), FakeReplica("b").report(7, T0)
+    a, b = FakeReplica("a").report(10, T0), FakeReplica("b").report(7, T0, running=5)
+    seven = lambda: request(100, 12)  # noqa: E731  (7 blocks: fits b, and a while a has 7 free)
 
     async def body():
         router.update_replicas([a, b])
@@ -206,22 +207,94 @@ def test_ledger_subtracts_sends_until_a_newer_report(clock):
         assert await router._choose_replica_for_request(pr) is a
         clock.advance(0.1)
         router.on_request_routed(pr, a.replica_id, result=None)
-        assert await ranking(router, [a, b]) == ["b", "a"]  # a: 10 - 4 = 6 < 7
+        assert await ranking(router, [a, b], seven()) == ["b", "a"]  # a: 10 - 4 = 6 < 7
 
         # The same report again, or one read before the send, cannot show it yet.
         a.report(10, T0 + 0.05)
-        assert await ranking(router, [a, b]) == ["b", "a"]
+        assert await ranking(router, [a, b], seven()) == ["b", "a"]
         # A report read after the send already counts it: the ledger starts over.
         a.report(10, T0 + 0.2)
-        assert await ranking(router, [a, b]) == ["a", "b"]
+        assert await ranking(router, [a, b], seven()) == ["a", "b"]  # both fit; b is busier
 
-        # Completion does not give blocks back before the next report (the ledger only lowers).
+        # Completions give their blocks back at once, until a report counts them.
         clock.advance(0.2)
-        pr2 = request(50, 14)
+        pr2, pr3 = request(50, 14), request(50, 14)
         router.on_request_routed(pr2, a.replica_id, result=None)
-        router.on_request_routed(request(50, 14), a.replica_id, result=None)
+        router.on_request_routed(pr3, a.replica_id, result=None)
+        assert await ranking(router, [a, b], seven()) == ["b", "a"]  # a: 10 - 8 = 2
         router.on_request_completed(a.replica_id, pr2.metadata.internal_request_id)
-        assert await ranking(router, [a, b]) == ["b", "a"]  # a: 10 - 8 = 2
+        assert router._ledgers[a.replica_id].unreported_blocks == 4  # a: 10 - 8 + 4 = 6
+        assert await ranking(router, [a, b], seven()) == ["b", "a"]
+        router.on_request_completed(a.replica_id, pr3.metadata.internal_request_id)
+        assert router._ledgers[a.replica_id].unreported_blocks == 0  # a: 10 again
+        assert await ranking(router, [a, b], seven()) == ["a", "b"]  # both fit; b is busier
+        a.report(10, clock.time() + 0.01)  # read after both completions: it counts them
+        await ranking(router, [a, b], seven())
+        assert router._ledgers[a.replica_id].unreported_blocks == 0
+
+    run(router, body)
+
+
+def test_a_request_no_replica_has_room_for_waits_for_the_first_to_free_blocks(clock):
+    """Held in the router, not queued in one engine: it goes where blocks free up first."""
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(4, T0), FakeReplica("b").report(3, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        busy = request(50, 14)  # 4 blocks, running on b
+        router.on_request_routed(busy, b.replica_id, result=None)
+        b.report(3, T0 + 0.01)  # read after the send: counts the busy request
+        clock.advance(0.1)
+        pr = request(100, 20)  # 8 blocks: a has 4, b 3
+        assert await router.choose_replicas([a, b], pr) == []
+        assert not pr.routing_context.should_backoff  # the router paces its own polls
+        task = asyncio.ensure_future(router._choose_replica_for_request(pr))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        router.on_request_completed(b.replica_id, busy.metadata.internal_request_id)  # b: 3 + 4 = 7
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        b.report(9, clock.time() + 0.01)
+        assert await asyncio.wait_for(task, timeout=5) is b
+
+    run(router, body)
+
+
+def test_a_held_request_is_sent_after_max_hold_s(clock):
+    router = make_router(clock, max_hold_s=2.0)
+    a, b = FakeReplica("a").report(4, T0), FakeReplica("b").report(6, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        task = asyncio.ensure_future(router._choose_replica_for_request(request(100, 20)))  # 8 blocks
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        clock.advance(1.0)
+        a.report(4, clock.time()), b.report(6, clock.time())  # still fresh, still short
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        clock.advance(1.0)
+        a.report(4, clock.time()), b.report(6, clock.time())
+        assert await asyncio.wait_for(task, timeout=5) is b  # the smaller deficit
+
+    run(router, body)
+
+
+def test_requests_are_not_held_without_fresh_reports_or_when_they_never_fit(clock):
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(4, T0, total_blocks=64), FakeReplica("b").report(6, T0, total_blocks=64)
+    silent = FakeReplica("silent")
+
+    async def body():
+        router.update_replicas([a, b, silent])
+        # An unreported replica may have room: try it first, hold nothing.
+        assert await ranking(router, [a, b, silent], request(100, 20)) == ["silent", "b", "a"]
+        # 65 blocks exceed every pool: send it now, the engine refuses it with a clear error.
+        assert await ranking(router, [a, b], request(1000, 40)) == ["b", "a"]
+        never = make_router(clock, max_hold_s=0)
+        never.update_replicas([a, b])
+        assert await ranking(never, [a, b], request(100, 20)) == ["b", "a"]
 
     run(router, body)
 
@@ -336,6 +409,8 @@ def test_router_kwargs_are_checked(clock):
         make_router(clock, stats_max_age=3)
     with pytest.raises(ValueError, match="stats_max_age_s"):
         make_router(clock, stats_max_age_s=0)
+    with pytest.raises(ValueError, match=r"max_hold_s=-1; expected seconds >= 0"):
+        make_router(clock, max_hold_s=-1)
 
 
 def test_request_router_config_imports_the_router():

@@ -1,8 +1,9 @@
 """The KV-block router in a running Serve app (CPU): requests go where the free KV blocks are.
 
-Two CPU engine replicas with a small KV pool of T blocks each. One long prompt fills about two
-thirds of one replica (A); two short requests with a large max_tokens, which only the other one
-(B) has room for, make B the busier replica by request count. Then:
+Two CPU engine replicas with a small KV pool of T blocks each; a replica reports as free what is
+left once its requests reach max_tokens. One long request (prompt + max_tokens = 4/5 of a pool)
+lands on one replica (A); two short prompts with a large max_tokens (3/10 of a pool each), which
+only the other one (B) has room for, make B the busier replica by request count. Then:
 
 - a probe that fits only in B's free blocks goes to B, although A has fewer requests: Serve's
   power-of-two router compares queue lengths (A 1, B 2) and sends it to A, where it would wait or
@@ -77,9 +78,9 @@ def test_requests_go_where_the_free_blocks_are(app):
     before = taken(idle)
     streams = []
     try:
-        # The long prompt (2/3 of the pool) lands on either replica: that one is A.
-        long_blocks = total * 2 // 3
-        streams.append(send(handle, tokens(long_blocks * BLOCK - 1, 1), (total - long_blocks - 2) * BLOCK))
+        # The long request (4/5 of the pool, half of it max_tokens) lands on either replica: that one is A.
+        long_blocks = total * 4 // 5
+        streams.append(send(handle, tokens(long_blocks // 2 * BLOCK, 1), (long_blocks - long_blocks // 2) * BLOCK))
         reports = wait_for_reports(lambda rs: sum(taken(rs).values()) == sum(before.values()) + 1
                                    and any(r.stats.num_running == 1 for r in rs.values()), "the long prompt")
         a = next(name for name, r in reports.items() if r.num_requests > before[name])
@@ -87,8 +88,8 @@ def test_requests_go_where_the_free_blocks_are(app):
         free_a = reports[a].routing["free_blocks"]
         assert free_a <= total - long_blocks, reports[a].routing
 
-        # Each short request needs half the pool (prompt + max_tokens): only B has that.
-        short_need = total // 2
+        # Each short request needs 3/10 of the pool (prompt + max_tokens): only B has that.
+        short_need = total * 3 // 10
         assert short_need > free_a
         for index in range(2):
             time.sleep(SETTLE_S)
