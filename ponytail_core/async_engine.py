@@ -4,6 +4,8 @@ One background task drives the engine; each step runs in a worker thread so the 
 responsive while the device works. The event loop never waits for a step: new requests, aborts
 and clean-ups are handed over through thread-safe deques and applied by the worker between steps.
 Requests are checked (and refused with ConfigError) on the caller's side before they are queued.
+With async scheduling (the default on CUDA) a step hands back the previous step's deltas while the
+new one runs on the device; an abort between steps drops the token still being sampled.
 """
 
 from __future__ import annotations

@@ -62,6 +62,8 @@ class _SeqState:
     last_hash: int | None = None  # hash of the last full block: the head of the chain
     partial_tokens: list[int] = field(default_factory=list)  # tokens in the last, partial block
     num_committed: int = 0  # leading blocks offered to the prefix cache (their K/V is written)
+    sealed_tokens: tuple[int, ...] = ()  # tokens of the last full block, to seal it again (replace_token)
+    sealed_after: int | None = None  # the chain hash that block was sealed after
 
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
@@ -209,6 +211,36 @@ class BlockAllocator:
                 self._hash_to_block.setdefault(block.hash, block.block_id)
         state.num_committed = max(state.num_committed, full)
 
+    def replace_token(self, seq_id, position: int, token: int) -> None:
+        """Put `token` at `position`, in place of a placeholder appended before the token was known
+        (async scheduling appends a step's sampled token before it reaches the host).
+
+        Only the last block may change, and only before commit() offered it to other prompts. A
+        last block the placeholder filled is sealed again: its hash (and the chain after it) is
+        the one appending `token` in the first place would have given.
+        """
+        state = self._state(seq_id)
+        bs = self.block_size
+        index = position // bs
+        if not 0 <= position < state.num_tokens or index != (state.num_tokens - 1) // bs:
+            raise ValueError(f"position {position} is not in the last block of seq {seq_id!r} "
+                             f"({state.num_tokens} tokens); only the last block's tokens can be replaced")
+        if index < state.num_committed:
+            raise ValueError(f"block {index} of seq {seq_id!r} is already offered to the prefix cache; "
+                             "replace placeholders before commit()")
+        if state.partial_tokens:
+            state.partial_tokens[position % bs] = token
+            return
+        block = self.blocks[state.block_ids[-1]]
+        if block.ref_count > 1:
+            raise ValueError(f"the last block of seq {seq_id!r} is shared (fork); its tokens cannot change")
+        tokens = list(state.sealed_tokens)
+        tokens[position % bs] = token
+        state.sealed_tokens = tuple(tokens)
+        state.last_hash = chain_hash(state.sealed_after, state.sealed_tokens)
+        if self.enable_prefix_caching:
+            block.hash, block.token_ids = state.last_hash, state.sealed_tokens
+
     def fork(self, parent_id, child_id) -> None:
         """The child shares every block of the parent (ref counts go up, nothing is copied)."""
         parent = self._state(parent_id)
@@ -222,6 +254,8 @@ class BlockAllocator:
             last_hash=parent.last_hash,
             partial_tokens=list(parent.partial_tokens),
             num_committed=parent.num_committed,
+            sealed_tokens=parent.sealed_tokens,
+            sealed_after=parent.sealed_after,
         )
 
     def free(self, seq_id) -> None:
@@ -333,6 +367,9 @@ class BlockAllocator:
                 problems.append(f"prefix-hash entry {h} points at block {b} with another hash")
             elif b in free:
                 problems.append(f"prefix-hash entry {h} points at free block {b}")
+            elif min(self.blocks[b].token_ids, default=0) < 0:
+                problems.append(f"prefix-hash entry {h} (block {b}) holds a negative token id: a placeholder "
+                                "was committed before its token was known")
         return problems
 
     # ---------------------------------------------------------------- helpers
@@ -372,6 +409,7 @@ class BlockAllocator:
         """The last block just filled up: hash it (commit() later offers it to other prompts)."""
         tokens = tuple(state.partial_tokens)
         state.partial_tokens = []
+        state.sealed_tokens, state.sealed_after = tokens, state.last_hash
         h = chain_hash(state.last_hash, tokens)
         state.last_hash = h
         if self.enable_prefix_caching:

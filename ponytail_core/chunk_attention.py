@@ -7,6 +7,11 @@ chunks of one length go to torch SDPA as one dense [rows, heads, length, D] batc
 views (no copies); on an H200 that is cuDNN's Hopper kernel, 1.9-2.5x faster than flash varlen
 (docs/benchmarks.md). When the lengths are too varied for a few SDPA calls, one flash varlen call
 takes every chunk instead, still without touching the blocks.
+
+cuDNN builds an execution plan for every new SDPA shape, 45-100 ms on an H200 against ~0.2 ms
+for the call itself (docs/benchmarks.md). A server sees ever new chunk lengths, and paying that
+inside a step stalls every request in it; so SDPA takes only runs whose (rows, length) came up
+PLAN_AFTER times before (SdpaShapes, per engine), and flash varlen, which has no plans, the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ logger = logging.getLogger("ponytail.kernels")
 
 # SDPA calls per layer before one flash varlen call is cheaper (each call costs ~10 us of host time).
 MAX_SDPA_RUNS = 4
+# A run shape seen this often before recurs: building its cuDNN plan once pays off.
+PLAN_AFTER = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,15 +57,41 @@ def equal_length_runs(lengths: list[int]) -> list[ChunkRun]:
     return runs
 
 
+class SdpaShapes:
+    """How often each run shape (rows, length) came up: SDPA only for shapes that recur.
+
+    One count per step (not per layer). Forgets everything past `limit` shapes, so a server's
+    endless new lengths cannot grow it without bound.
+    """
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._counts: dict[tuple[int, int], int] = {}
+
+    def recurring(self, runs: list[ChunkRun]) -> bool:
+        """Counts this step's shapes; True when every one was seen PLAN_AFTER times before."""
+        counts = self._counts
+        if len(counts) + len(runs) > self.limit:
+            counts.clear()
+        ready = True
+        for run in runs:
+            shape = (run.rows, run.length)
+            seen = counts.get(shape, 0)
+            ready &= seen >= PLAN_AFTER
+            counts[shape] = seen + 1
+        return ready
+
+
 def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: list[ChunkRun],
                               cu_seq_q: torch.Tensor, max_query_len: int, scale: float,
-                              out: torch.Tensor | None = None) -> torch.Tensor:
+                              out: torch.Tensor | None = None, sdpa: bool = True) -> torch.Tensor:
     """Causal attention of packed chunks over themselves.
 
     query [Hq, N, D] and key/value [Hkv, N, D]: the chunks' tokens end to end along N, as views
     of the model's tensors (any strides with a contiguous last dim). runs covers the N tokens;
     cu_seq_q [chunks + 1] int32 holds the same boundaries on the device. Query heads h use KV
-    head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given.
+    head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given. sdpa=False: flash
+    varlen where it can (the run shapes are new, see SdpaShapes), SDPA only where it cannot.
     """
     heads, tokens, head_dim = query.shape
     if key.shape[1] != tokens or value.shape != key.shape or heads % key.shape[0]:
@@ -68,8 +101,9 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
         raise ValueError(f"runs {runs} cover {sum(r.rows * r.length for r in runs)} tokens, query has {tokens}")
     if out is None:
         out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
-    if len(runs) > MAX_SDPA_RUNS and flash_problem(query.device, query.dtype, head_dim) is None:
-        _log(f"flash varlen over the chunks' own K/V ({len(runs)} distinct runs of lengths)")
+    if (len(runs) > MAX_SDPA_RUNS or not sdpa) and flash_problem(query.device, query.dtype, head_dim) is None:
+        why = "new shapes" if len(runs) <= MAX_SDPA_RUNS else "distinct runs of lengths"
+        _log(f"flash varlen over the chunks' own K/V ({len(runs)} {why})")
         out.copy_(_flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
                                 cu_seq_q, max_query_len, max_query_len, scale))
         return out

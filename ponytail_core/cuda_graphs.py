@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine_cache import DecodeRows, PackedStep, PackedStepCache
+from .engine_cache import DecodeRows, PackedStep, PackedStepCache, fill_inputs
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -118,8 +118,11 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------ run
     def run(self, token_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            seq_lens: list[int]) -> torch.Tensor:
-        """Logits [rows, vocab] (the graph's own buffer: read before the next replay)."""
+            seq_lens: list[int], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [rows, vocab] (the graph's own buffer: read before the next replay).
+
+        fill: (sampled tokens, [2, n] index) on the device: input_ids[index[0]] = sampled[index[1]]
+        before the replay (async scheduling: inputs the previous step sampled, see fill_inputs)."""
         rows = len(token_ids)
         size = self.size_for(rows)
         if self.hf_cache.paged.storage.ptr_table_version != self._table_version:
@@ -142,6 +145,8 @@ class DecodeGraphs:
         for name, tensor in self._statics().items():
             tensor[:size].copy_(self._host[name][:size], non_blocking=True)
         self._staged.record()
+        if fill is not None:
+            fill_inputs(self.input_ids, *fill)
         self._graphs[size].graph.replay()
         self.replays += 1
         return self._graphs[size].logits[0, :rows]

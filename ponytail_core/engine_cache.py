@@ -41,6 +41,7 @@ class PrefillChunks:
     block_tables: torch.Tensor  # [chunks, max_blocks] int32
     seq_lens: torch.Tensor  # [chunks] int32
     runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
+    sdpa: bool = True  # runs may go to SDPA: their shapes recur (chunk_attention.SdpaShapes)
 
 
 @dataclass(slots=True)
@@ -48,6 +49,12 @@ class PackedStep:
     slot_mapping: torch.Tensor  # [N] int64, one slot per packed token (-1: padding, nothing written)
     decode: DecodeRows | None
     prefill: PrefillChunks | None
+
+
+def fill_inputs(input_ids: torch.Tensor, sampled: torch.Tensor, index: torch.Tensor) -> None:
+    """input_ids[index[0]] = sampled[index[1]], on the device: the tokens a step still in flight
+    sampled become the next step's inputs without a round trip through the host."""
+    input_ids.index_copy_(0, index[0], sampled.index_select(0, index[1]))
 
 
 class PackedStepCache(PagedCacheBase):
@@ -76,7 +83,7 @@ class PackedStepCache(PagedCacheBase):
             out = torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
             s = chunks.start
             attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
-                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:])
+                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:], sdpa=chunks.sdpa)
             if decode_out is not None:
                 out[:s] = decode_out
             return out.unsqueeze(0)

@@ -28,13 +28,16 @@ class LLM:
 
     llm = ponytail.LLM()                                   # the embedded SmolLM2-135M-Instruct
     outs = llm.generate(["Hello"], ponytail.SamplingParams(max_tokens=32))
+
+    async_scheduling: launch each step before the previous one's tokens are read back, so the
+    device never waits for the host (same outputs); None: on for CUDA devices, off on the CPU.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
                  kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 compile_model: bool = False):
+                 compile_model: bool = False, async_scheduling: bool | None = None):
         if model is None or isinstance(model, str):
             model, tokenizer = load_model(model, device=device, dtype=dtype)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
@@ -51,13 +54,19 @@ class LLM:
             cuda_graphs = device.type == "cuda"
         elif cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
+        if async_scheduling is None:
+            async_scheduling = device.type == "cuda"  # on the CPU the forward pass runs at launch: nothing to overlap
+        elif not isinstance(async_scheduling, bool):
+            raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None "
+                              "(None: on for CUDA devices, off on the CPU)")
         memory = self._kv_memory(kv_cache_memory, device)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
         config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                cuda_graphs=cuda_graphs, compile_model=compile_model)
+                                cuda_graphs=cuda_graphs, compile_model=compile_model,
+                                async_scheduling=async_scheduling)
         self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)

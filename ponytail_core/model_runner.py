@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from . import hf_attention
-from .chunk_attention import equal_length_runs
-from .engine_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks
+from .chunk_attention import SdpaShapes, equal_length_runs
+from .engine_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from .paged_cache import PagedKVCache
 from .scheduler import ScheduledChunk
 
@@ -26,6 +26,7 @@ class ModelRunner:
             compile_decoder_layers(model)  # before capture: the graphs record the fused kernels
         self.hf_cache = PackedStepCache(cache)
         self.block_size = cache.config.block_size
+        self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
         self.graphs = None
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
@@ -35,46 +36,60 @@ class ModelRunner:
                 self.graphs.capture_all()
 
     @torch.inference_mode()
-    def execute(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order."""
+    def execute(self, chunks: list[ScheduledChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order.
+
+        sampled: the previous step's sampled tokens, still on the device (async scheduling). A
+        chunk whose request has a pending_row ends with a placeholder; its input is
+        sampled[pending_row], gathered on the device (the host never waits for it).
+        """
         decode = [c for c in chunks if c.num_tokens == 1]
         prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill  # the packed layout PackedStepCache expects
-        offsets, total = {}, 0
+        offsets = {}
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        fill_at: list[int] = []  # packed positions whose token comes from `sampled`
+        fill_rows: list[int] = []  # ... and its row there
         for chunk in ordered:
-            offsets[id(chunk)] = total
-            total += chunk.num_tokens
+            offsets[id(chunk)] = len(input_ids)
+            end = chunk.start + chunk.num_tokens
+            input_ids.extend(chunk.request.token_slice(chunk.start, end))
+            positions.extend(range(chunk.start, end))
+            slots.extend(chunk.slots)
+            if chunk.request.pending_row is not None and chunk.samples:
+                input_ids[-1] = 0  # the placeholder: the real token is on the device only
+                fill_at.append(len(input_ids) - 1)
+                fill_rows.append(chunk.request.pending_row)
+        fill = None
+        if fill_at:
+            if sampled is None:
+                raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
+            fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
         sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
         allocator = self.hf_cache.paged.allocator
         tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
                   for c in ordered]
         if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
-            logits = self.graphs.run([c.request.token_slice(c.start, c.start + 1)[0] for c in decode],
-                                     [c.start for c in decode], [c.slots[0] for c in decode], tables,
-                                     [c.start + 1 for c in decode])
+            logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
             return self._pick(logits, sample_at).float()
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        for chunk in ordered:
-            input_ids.extend(chunk.request.token_slice(chunk.start, chunk.start + chunk.num_tokens))
-            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-            slots.extend(chunk.slots)
         self.hf_cache.step = PackedStep(
             slot_mapping=self._tensor(slots, torch.int64),
             decode=self._decode_rows(decode, tables[: len(decode)]),
             prefill=self._prefill_chunks(prefill, tables[len(decode) :], start=len(decode)))
-        out = self.model(input_ids=self._tensor(input_ids, torch.int64)[None],
-                         position_ids=self._tensor(positions, torch.int64)[None],
+        ids = self._tensor(input_ids, torch.int64)
+        if fill is not None:
+            fill_inputs(ids, *fill)
+        out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
                          cache=self.hf_cache, use_cache=True,
                          logits_to_keep=self._tensor(sample_at, torch.int64))
         return out.logits[0].float()
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
         if sample_at == list(range(len(sample_at))):
             return logits[: len(sample_at)]
-        return logits[torch.tensor(sample_at, device=logits.device)]
+        return logits[self._tensor(sample_at, torch.int64)]  # pinned copy: no host sync
 
     def _decode_rows(self, members: list[ScheduledChunk], tables: list[list[int]]) -> DecodeRows | None:
         if not members:
@@ -89,11 +104,11 @@ class ModelRunner:
         cu = [0]
         for chunk in members:
             cu.append(cu[-1] + chunk.num_tokens)
+        runs = equal_length_runs([c.num_tokens for c in members]) if all(c.start == 0 for c in members) else None
         return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
                              max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
                              seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32),
-                             runs=(equal_length_runs([c.num_tokens for c in members])
-                                   if all(c.start == 0 for c in members) else None))
+                             runs=runs, sdpa=runs is not None and self.sdpa_shapes.recurring(runs))
 
     def _table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))

@@ -84,6 +84,12 @@ class PagedKVCache:
         serve other prompts with the same prefix."""
         self.allocator.commit(seq_id, num_tokens)
 
+    def replace_token(self, seq_id, position: int, token: int) -> None:
+        """A placeholder in the sequence's last block becomes the real token (async scheduling:
+        call it before mark_computed covers that block). Bookkeeping only: the K/V written at the
+        position came from the real token, which the device already had."""
+        self.allocator.replace_token(seq_id, position, token)
+
     def fork(self, parent_id, child_id) -> None:
         self.allocator.fork(parent_id, child_id)
 

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from .sampling_params import SamplingParams
 
+# Stands in output_token_ids for a token sampled on the device but not yet read back (async
+# scheduling). Negative, so it can never pass for a real token: the model never reads it (its
+# input comes from the device) and the prefix cache refuses blocks that still hold it.
+PLACEHOLDER_TOKEN = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -44,6 +49,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # Async scheduling: the row of the launched step's sampled tokens that will replace the
+    # placeholder ending output_token_ids; None when every token is known.
+    pending_row: int | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property
@@ -68,18 +76,36 @@ class Request:
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    def check_stop_token(self) -> None:
-        """After a token was appended: finish on EOS / stop token / max_tokens (not stop strings)."""
-        params, token = self.params, self.output_token_ids[-1]
-        if len(self.output_token_ids) >= params.min_tokens:
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Its last token is sampled or being sampled: nothing is left to compute."""
+        return len(self.output_token_ids) >= self.params.max_tokens
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """output_token_ids without a placeholder of a step still on the device."""
+        out = self.output_token_ids
+        return out[:-1] if self.pending_row is not None else out
+
+    def check_stop_token(self, token: int, num_output_tokens: int) -> None:
+        """After `token` became output token number `num_output_tokens`: finish on EOS / stop token
+        / max_tokens (not stop strings)."""
+        params = self.params
+        if num_output_tokens >= params.min_tokens:
             if token in (params.stop_token_ids or ()):
                 self.finish("stop", token)
                 return
             if token in self.eos_token_ids and not params.ignore_eos:
                 self.finish("stop", None)
                 return
-        if len(self.output_token_ids) >= params.max_tokens:
+        if num_output_tokens >= params.max_tokens:
             self.finish("length", None)
+
+    def drop_placeholder(self) -> None:
+        """Forget the token a launched step is still sampling (the request ended before it)."""
+        if self.pending_row is not None:
+            self.output_token_ids.pop()
+            self.pending_row = None
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         self.status = RequestStatus.FINISHED

@@ -182,6 +182,45 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [rows] int64, 1-based rank of the chosen token; with top_logprobs
     bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf
 
+    def to_host(self, with_logprobs: bool) -> HostSamples:
+        """Queue the copies the engine reads back (tokens, bad rows, logprobs if asked for).
+
+        On CUDA they go to pinned memory without blocking, behind the step's own kernels, and an
+        event marks their end: the host can launch the next step before it waits for them. A
+        plain `.tolist()` instead would also wait for every step queued after this one.
+        """
+        logprobs = self.logprobs if with_logprobs else None
+        top = self.top_logprobs if with_logprobs else None
+        if self.token_ids.device.type != "cuda":
+            return HostSamples(self.token_ids, self.bad_rows, logprobs, top, None)
+
+        def copy(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return host.copy_(t, non_blocking=True)
+
+        host = HostSamples(copy(self.token_ids), copy(self.bad_rows), copy(logprobs),
+                           None if top is None else (copy(top[0]), copy(top[1])), torch.cuda.Event())
+        host.copied.record()
+        return host
+
+
+@dataclass
+class HostSamples:
+    """A step's samples on (or on their way to) the host; read them after wait()."""
+
+    token_ids: torch.Tensor  # [rows] int64
+    bad_rows: torch.Tensor  # [rows] bool
+    logprobs: torch.Tensor | None  # [rows] float32; None when no row asked for logprobs
+    top_logprobs: Pairs | None  # as SamplerOutput.top_logprobs, on the host
+    copied: torch.cuda.Event | None  # recorded after the device-to-host copies; None on the CPU
+
+    def wait(self) -> None:
+        """Block until the copies have landed (the step's one host sync)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """vLLM's penalties, in place on float32 logits.

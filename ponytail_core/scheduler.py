@@ -84,14 +84,27 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ------------------------------------------------------------- schedule
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, step_in_flight: bool = False) -> SchedulerOutput | None:
+        """The next step's chunks.
+
+        step_in_flight: the engine launched a step it has not read back (async scheduling), so
+        the tokens it samples are placeholders. Requests whose last token it samples are left
+        out, and nobody is preempted (a preempted request is recomputed from its tokens): when
+        a running request needs a block the pool cannot give, None is returned. The slots
+        reserved until then stay reserved; calling again later schedules from there.
+        """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if step_in_flight and request.reached_max_tokens:  # it finishes with the step in flight
+                i += 1
+                continue
             if not self._reserve_next(request):
+                if step_in_flight:
+                    return None
                 victim = self.running.pop()  # the newest
                 self._preempt(victim)
                 preempted.append(victim)

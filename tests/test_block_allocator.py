@@ -1,6 +1,8 @@
 """Small pools with exact block ids, ref counts and free lists after every step."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ponytail.block_allocator as block_allocator
 from ponytail.block_allocator import BlockAllocator, NoRoom
@@ -210,3 +212,66 @@ def test_blocks_are_offered_to_other_prompts_only_once_computed():
     alloc.free("a")  # blocks 1, 2 of "a" were never written: they must not stay cached
     assert alloc.num_evictable == 0
     assert alloc.invariants() == []
+
+
+@pytest.mark.parametrize("length", [5, 7, 8, 9, 12])
+def test_a_replaced_placeholder_hashes_like_the_real_token(length):
+    """Async scheduling appends -1 for a token still on the device and replaces it once known:
+    partial or full, the last block must end up exactly as if the real token had been appended."""
+    tokens = list(range(100, 100 + length))
+    direct, placed = BlockAllocator(12, block_size=4), BlockAllocator(12, block_size=4)
+    direct.allocate("s", tokens[:-1])
+    direct.append("s", tokens[-1:])
+    placed.allocate("s", tokens[:-1])
+    placed.append("s", [-1])
+    placed.replace_token("s", length - 1, tokens[-1])
+    for alloc in (direct, placed):
+        alloc.append("s", [7, 8, 9, 10])  # the chain continues from the replaced block
+        alloc.commit("s", length + 4)
+    assert [(b.hash, b.token_ids) for b in placed.blocks] == [(b.hash, b.token_ids) for b in direct.blocks]
+    assert placed._hash_to_block == direct._hash_to_block
+    assert placed.invariants() == [] and direct.invariants() == []
+    hit = placed.allocate("t", tokens + [7, 8, 9, 10, 11])
+    assert hit.num_cached_tokens == (length + 4) // 4 * 4  # the replaced block serves other prompts
+
+
+def test_only_an_uncommitted_last_block_takes_a_replacement():
+    alloc = BlockAllocator(12, block_size=4)
+    alloc.allocate("s", [1, 2, 3, 4, 5, -1])
+    with pytest.raises(ValueError, match="position 3 is not in the last block of seq 's' \\(6 tokens\\)"):
+        alloc.replace_token("s", 3, 9)
+    alloc.replace_token("s", 5, 6)
+    alloc.append("s", [7, -1])  # the placeholder fills block 1
+    alloc.commit("s", 8)
+    with pytest.raises(ValueError, match="block 1 of seq 's' is already offered to the prefix cache"):
+        alloc.replace_token("s", 7, 8)
+
+
+def test_a_committed_placeholder_is_an_invariant_violation():
+    alloc = BlockAllocator(12, block_size=4)
+    alloc.allocate("s", [1, 2, 3, -1])
+    alloc.commit("s", 4)  # the engine must replace placeholders first
+    assert any("holds a negative token id" in p for p in alloc.invariants())
+
+
+@settings(max_examples=60, deadline=None)
+@given(tokens=st.lists(st.integers(0, 5), min_size=2, max_size=40), data=st.data())
+def test_decoding_through_placeholders_equals_decoding_real_tokens(tokens, data):
+    """The engine's pattern: each new token enters as a placeholder, is replaced once read back,
+    and only then may commit() cover its block. Few distinct ids, so blocks repeat and hit."""
+    direct, placed = BlockAllocator(16, block_size=4), BlockAllocator(16, block_size=4)
+    for alloc in (direct, placed):
+        alloc.allocate("s", tokens[:1])
+    for position, token in enumerate(tokens[1:], start=1):
+        direct.append("s", [token])
+        placed.append("s", [-1])
+        placed.replace_token("s", position, token)
+        if data.draw(st.booleans()):
+            for alloc in (direct, placed):
+                alloc.commit("s", position + 1)
+        assert placed.invariants() == []
+    assert [(b.hash, b.token_ids) for b in placed.blocks] == [(b.hash, b.token_ids) for b in direct.blocks]
+    assert placed._hash_to_block == direct._hash_to_block
+    for alloc in (direct, placed):
+        alloc.free("s")
+    assert placed.allocate("t", tokens).num_cached_tokens == direct.allocate("t", tokens).num_cached_tokens

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ponytail import chunk_attention
-from ponytail.chunk_attention import ChunkRun, attention_over_new_tokens, equal_length_runs
+from ponytail.chunk_attention import ChunkRun, SdpaShapes, attention_over_new_tokens, equal_length_runs
 
 
 def engine_layout(lengths, heads, kv_heads, head_dim, dtype, device, seed=0):
@@ -45,10 +45,11 @@ def naive(query, key, value, lengths, scale) -> torch.Tensor:
     return torch.cat(out)
 
 
-def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6):
+def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6, sdpa=True):
     query, key, value, cu = engine_layout(lengths, heads, kv_heads, head_dim, dtype, device)
     scale = 1 / math.sqrt(head_dim)
-    out = attention_over_new_tokens(query, key, value, equal_length_runs(lengths), cu, max(lengths), scale)
+    out = attention_over_new_tokens(query, key, value, equal_length_runs(lengths), cu, max(lengths), scale,
+                                    sdpa=sdpa)
     ref = naive(query, key, value, lengths, scale)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == dtype
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
@@ -91,6 +92,32 @@ def test_the_path_taken_is_logged(caplog):
     assert "torch SDPA over the chunks' own K/V, one call per run of equal lengths (2 runs)" in caplog.text
 
 
+def test_sdpa_only_for_run_shapes_that_recur():
+    shapes = SdpaShapes()
+    step = equal_length_runs([64, 64, 300])  # (2 x 64), (1 x 300)
+    assert [shapes.recurring(step) for _ in range(4)] == [False, False, True, True]  # PLAN_AFTER = 2
+    assert not shapes.recurring(equal_length_runs([64, 64, 301]))  # one new shape is enough to wait
+    assert shapes.recurring(equal_length_runs([300, 64, 64]))  # the same shapes in another order
+
+
+def test_sdpa_shapes_forget_past_their_limit():
+    shapes = SdpaShapes(limit=3)
+    for _ in range(3):
+        shapes.recurring(equal_length_runs([5]))
+    assert shapes.recurring(equal_length_runs([5]))
+    for length in (6, 7, 8):  # a fourth shape: everything is forgotten
+        shapes.recurring(equal_length_runs([length]))
+    assert not shapes.recurring(equal_length_runs([5]))
+
+
+def test_new_shapes_still_use_sdpa_where_flash_cannot_run(caplog):
+    """On the CPU (no flash) sdpa=False changes nothing: SDPA is the only way."""
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check([4, 4, 3], 4, 2, 8, sdpa=False)
+    assert "torch SDPA" in caplog.text
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -102,3 +129,14 @@ def test_gpu_paths_match_the_reference(dtype, lengths, caplog):
         check(lengths, 32, 8, 128, dtype=dtype, device="cuda", tolerance=2e-2)
     many = len(equal_length_runs(lengths)) > chunk_attention.MAX_SDPA_RUNS
     assert ("flash varlen" if many else "torch SDPA") in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_new_shapes_take_flash_varlen(dtype, caplog):
+    """Run shapes not seen before skip SDPA (cuDNN would build a plan inside the step)."""
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check([300, 300, 7], 32, 8, 128, dtype=dtype, device="cuda", tolerance=2e-2, sdpa=False)
+    assert "flash varlen over the chunks' own K/V (2 new shapes)" in caplog.text
+    assert "torch SDPA" not in caplog.text

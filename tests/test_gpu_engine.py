@@ -92,3 +92,27 @@ def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch):
         restore_decoder_layers(model)
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.runner.graphs.replays > 0 and llm.stats().used_blocks == 0
+
+
+def test_async_scheduling_equals_sync_with_cuda_graphs(monkeypatch):
+    """Step N+1 launched before step N's tokens reach the host: same tokens, stops mid-batch."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 200))] for _ in range(12)]
+
+    def run(params, async_scheduling):
+        llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512,
+                           max_num_batched_tokens=512, cuda_graphs=True, async_scheduling=async_scheduling)
+        assert llm.engine.async_scheduling == bool(async_scheduling is None or async_scheduling)
+        outputs = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
+        assert llm.engine.runner.graphs.replays > 0
+        return outputs
+
+    full = run(SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), False)
+    # Half the prompts stop on a token of their own output (known only after the sync), the rest by length.
+    params = [SamplingParams(max_tokens=rng.randint(4, 24), temperature=0, ignore_eos=True,
+                             stop_token_ids=[tokens[rng.randrange(1, 4)]] if i % 2 else None)
+              for i, (tokens, _) in enumerate(full)]
+    assert run(params, None) == run(params, False)  # None: on, on a CUDA device
