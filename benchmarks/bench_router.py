@@ -48,6 +48,11 @@ from deployments.app import build
 from deployments.reports import replica_reports
 
 MODEL = "SmolLM2-135M-Instruct"  # the model_id both apps serve, whatever the checkpoint
+ROUTER_ARGS = {  # --routers names -> the app's args that select them
+    "kv_blocks": {"router": "kv_blocks"},
+    "power_of_two": {"router": "power_of_two"},  # Serve's default
+    "kv_blocks_nohold": {"router": "kv_blocks", "max_hold_s": 0},  # never waits in the router
+}
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
 BLOCK = 16
 
@@ -163,11 +168,15 @@ def main() -> int:
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
-                        help="order of the runs in the first round (later rounds alternate it)")
+                        help=f"order of the runs in the first round (later rounds reverse it); "
+                        f"from {', '.join(ROUTER_ARGS)}")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of both routers, the order reversed every round; results pooled")
     parser.add_argument("--json")
     args = parser.parse_args()
+    unknown = [r for r in args.routers.split(",") if r not in ROUTER_ARGS]
+    if unknown:
+        parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}")
     if args.small:
         sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, max_model_len=1024)
         engine = dict(device="cpu", max_num_seqs=8)
@@ -207,7 +216,7 @@ def main() -> int:
             order = args.routers.split(",")
             for router in order if round_index % 2 == 0 else order[::-1]:
                 name = f"ponytail-{router}"
-                serve.run(build({**engine, "router": router, "min_replicas": 2, "max_replicas": 2}), name=name,
+                serve.run(build({**engine, **ROUTER_ARGS[router], "min_replicas": 2, "max_replicas": 2}), name=name,
                           route_prefix=f"/{router}")
                 base = f"http://127.0.0.1:{port}/{router}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
