@@ -88,7 +88,7 @@ def kv_budget(model_dir, device, long_per_replica, sizes) -> dict:
             "bytes_per_token": config.bytes_per_token, "dtype": dtype}
 
 
-def run_load(base_url, prompts, max_tokens, burst, gap_s):
+def run_load(base_url, prompts, max_tokens, burst, gap_s, long_len=None):
     client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=600, max_retries=0)
     results = [None] * len(prompts)
 
@@ -104,7 +104,8 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s):
                     first = time.perf_counter() - start
                 if chunk.usage is not None:
                     tokens = chunk.usage.completion_tokens
-            results[index] = {"ok": True, "ttft": first, "end": time.perf_counter(), "tokens": tokens}
+            results[index] = {"ok": True, "ttft": first, "end": time.perf_counter(), "tokens": tokens,
+                              "long": len(prompt) == long_len}
         except Exception as exc:  # counted as a failure, not hidden
             results[index] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
 
@@ -120,26 +121,41 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s):
         thread.join(timeout=900)
     done = [r for r in results if r and r["ok"]]
     elapsed = max((r["end"] for r in done), default=time.perf_counter()) - t0
-    ttfts = sorted(r["ttft"] for r in done if r["ttft"] is not None)
+    timed = [r for r in done if r["ttft"] is not None]
+    ttfts = sorted(r["ttft"] for r in timed)
     return {"requests": len(prompts), "failed": len(prompts) - len(done),
             "errors": [r["error"] for r in results if r and not r["ok"]][:3],
             "tokens": sum(r["tokens"] for r in done), "tokens_per_s": sum(r["tokens"] for r in done) / elapsed,
-            "seconds": elapsed, "ttfts": ttfts, **ttft_percentiles(ttfts)}
+            "seconds": elapsed, "ttfts": ttfts, "ttfts_long": [r["ttft"] for r in timed if r["long"]],
+            **ttft_percentiles(ttfts)}
 
 
-def ttft_percentiles(ttfts: list[float]) -> dict:
-    ttfts = sorted(ttfts)
-    return {"ttft_p50": statistics.median(ttfts) if ttfts else None,
-            "ttft_p99": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] if ttfts else None}
+def percentile(values: list[float], q: float) -> float | None:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def ttft_percentiles(ttfts: list[float], prefix: str = "ttft") -> dict:
+    return {f"{prefix}_p50": statistics.median(ttfts) if ttfts else None,
+            f"{prefix}_p90": percentile(ttfts, 0.90), f"{prefix}_p99": percentile(ttfts, 0.99)}
 
 
 def pooled(runs: list[dict]) -> dict:
-    """One router's rounds together: total tokens over total time, percentiles of every request."""
+    """One router's rounds together: total tokens over total time, percentiles of every request
+    and of the long-prompt requests alone (where placement shows first)."""
     ttfts = [t for r in runs for t in r["ttfts"]]
+    longs = [t for r in runs for t in r["ttfts_long"]]
     return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
             "failed": sum(r["failed"] for r in runs), "preemptions": sum(r["preemptions"] for r in runs),
             "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
-            **ttft_percentiles(ttfts)}
+            **ttft_percentiles(ttfts), **ttft_percentiles(longs, "long_ttft")}
+
+
+def over_capacity_bursts(prompts: list[list[int]], burst: int, long_len: int, long_per_replica: int) -> list[int]:
+    """Long prompts per burst, for the bursts with more than both replicas' pools hold together:
+    those wait for a long request to finish whatever the router does."""
+    counts = [sum(len(p) == long_len for p in prompts[i : i + burst]) for i in range(0, len(prompts), burst)]
+    return [c for c in counts if c > 2 * long_per_replica]
 
 
 def replica_counters(app_name) -> dict[str, tuple[int, int, int]]:
@@ -202,9 +218,12 @@ def main() -> int:
     warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))
               for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
     for gap, prompts in loads:
+        over = over_capacity_bursts(prompts, sizes["burst"], sizes["long_len"], args.long_per_replica)
         print(f"load gap {gap} s: {len(prompts)} prompts in bursts of {sizes['burst']}, "
               f"{sum(len(p) == sizes['long_len'] for p in prompts)} long ({sizes['long_len']} tokens, the rest "
-              f"{sizes['short_len']}), + max_tokens {sizes['max_tokens']}")
+              f"{sizes['short_len']}), + max_tokens {sizes['max_tokens']}; {len(over)} of "
+              f"{-(-len(prompts) // sizes['burst'])} bursts bring more long prompts {over} than the two pools "
+              f"hold ({2 * args.long_per_replica})")
 
     port = free_port()
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
@@ -222,7 +241,7 @@ def main() -> int:
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
                 for gap, prompts in loads:
                     before = replica_counters(name)
-                    result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap)
+                    result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap, sizes["long_len"])
                     after = replica_counters(name)
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
                     result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
@@ -250,9 +269,11 @@ def main() -> int:
     for gap in gaps:
         for router, per_gap in results.items():
             r = per_gap[str(gap)]
-            print(f"  gap {gap:.1f} s {router:14s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50 "
-                  f"{r['ttft_p50'] or float('nan'):.3f} s, p99 {r['ttft_p99'] or float('nan'):.3f} s, "
-                  f"{r['failed']} failed, {r['preemptions']} preemptions")
+            nan = float("nan")
+            print(f"  gap {gap:.1f} s {router:16s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50/p90/p99 "
+                  f"{r['ttft_p50'] or nan:.3f}/{r['ttft_p90'] or nan:.3f}/{r['ttft_p99'] or nan:.3f} s "
+                  f"(long prompts {r['long_ttft_p50'] or nan:.3f}/{r['long_ttft_p90'] or nan:.3f}/"
+                  f"{r['long_ttft_p99'] or nan:.3f} s), {r['failed']} failed, {r['preemptions']} preemptions")
         kv, p2 = results.get("kv_blocks", {}).get(str(gap)), results.get("power_of_two", {}).get(str(gap))
         if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
             change = 100 * (1 - kv["ttft_p99"] / p2["ttft_p99"])
@@ -260,7 +281,7 @@ def main() -> int:
                   f"p99 TTFT {abs(change):.0f}% {'lower' if change >= 0 else 'higher'} with the KV-block router")
     for router_runs in runs.values():
         for r in router_runs:
-            del r["ttfts"]  # the JSON keeps percentiles, not every sample
+            del r["ttfts"], r["ttfts_long"]  # the JSON keeps percentiles, not every sample
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"sizes": sizes, "gaps": gaps, "engine": engine, "kv_budget": budget, "pooled": results,
