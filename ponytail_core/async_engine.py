@@ -5,7 +5,9 @@ responsive while the device works. The event loop never waits for a step: new re
 and clean-ups are handed over through thread-safe deques and applied by the worker between steps.
 Requests are checked (and refused with ConfigError) on the caller's side before they are queued.
 With async scheduling (the default on CUDA) a step hands back the previous step's deltas while the
-new one runs on the device; an abort between steps drops the token still being sampled.
+new one runs on the device; an abort between steps drops the token still being sampled. A consumer
+that falls behind gets what waits for it as one delta (as vLLM's output collector merges them), so
+a slow stream costs one hand-over per read, not one per token.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class RequestDelta:
     finished: bool
     output: RequestOutput
 
+    def merged_with(self, later: RequestDelta) -> RequestDelta:
+        """This delta followed by a later one of the same request, as one."""
+        return RequestDelta(self.request_id, self.delta_text + later.delta_text,
+                            self.new_token_ids + later.new_token_ids, later.finished, later.output)
+
 
 class AsyncLLM:
     def __init__(self, llm: LLM | LLMEngine):
@@ -54,11 +61,20 @@ class AsyncLLM:
         self._incoming.append(request)
         self._ensure_loop()
         finished = False
+        error: BaseException | None = None  # met while merging: raised after the merged delta
         try:
             while not finished:
+                if error is not None:
+                    raise error
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                while not item.finished and not queue.empty():  # the consumer fell behind
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = item.merged_with(later)
                 finished = item.finished
                 yield item
         finally:

@@ -194,6 +194,27 @@ def test_async_engine_streams_deltas_and_aborts(small_model):
     assert engine.stats().used_blocks == 0
 
 
+def test_a_slow_consumer_gets_the_waiting_deltas_merged(small_model):
+    llm = make_llm(small_model)
+    engine = ponytail.AsyncLLM(llm)
+    prompt = random_prompts(1, seed=13)[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def slow():
+        deltas = []
+        async for delta in engine.generate(prompt, params):
+            deltas.append(delta)
+            await asyncio.sleep(0.3)  # the engine keeps stepping meanwhile
+        return deltas
+
+    deltas = asyncio.run(slow())
+    assert len(deltas) < 12 and any(len(d.new_token_ids) > 1 for d in deltas)
+    assert [t for d in deltas for t in d.new_token_ids] == plain_greedy(small_model[0], prompt, 12)
+    assert "".join(d.delta_text for d in deltas) == deltas[-1].output.text
+    assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert engine.stats().used_blocks == 0
+
+
 def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     pytest.importorskip("ray.serve")
     from deployments.metrics import ReplicaMetrics
