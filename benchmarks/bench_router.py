@@ -179,8 +179,9 @@ def main() -> int:
     parser.add_argument("--small", action="store_true", help="CPU sizes")
     parser.add_argument("--model", help="local checkpoint directory (default: the embedded default model)")
     parser.add_argument("--requests", type=int, default=96, help="requests per load")
-    parser.add_argument("--long-per-replica", type=int, default=4,
-                        help="long requests (prompt + max_tokens) one replica's KV pool holds at once")
+    parser.add_argument("--long-per-replica", type=int, default=3,
+                        help="long requests (prompt + max_tokens) one replica's KV pool holds at once (default 3: "
+                        "no burst of the default loads brings more than both pools hold, so placement decides)")
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
