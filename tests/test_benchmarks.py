@@ -50,6 +50,8 @@ def test_bench_cache_ops_small_runs(tmp_path):
 
 def test_bench_host_overhead_runs():
     run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20")
+    run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20",
+               "--async-scheduling")
 
 
 def test_profile_engine_small_accounts_for_the_step(tmp_path):
