@@ -103,9 +103,26 @@ class Ledger:
             self.returned_blocks -= self.returns.popleft()[1]
 
     def add_send(self, now: float, blocks: int, request_id: str) -> None:
-        self.sends.append((now, blocks))
+        self.start(request_id, self.reserve(now, blocks))
+
+    def reserve(self, now: float, blocks: int) -> tuple[float, int]:
+        """Blocks taken off the report from now on (a request chosen for the replica); the entry."""
+        entry = (now, blocks)
+        self.sends.append(entry)
         self.sent_blocks += blocks
-        self.in_flight.setdefault(request_id, []).append(blocks)
+        return entry
+
+    def unreserve(self, entry: tuple[float, int]) -> None:
+        """Undoes reserve() unless a newer report already dropped the entry."""
+        try:
+            self.sends.remove(entry)
+        except ValueError:
+            return
+        self.sent_blocks -= entry[1]
+
+    def start(self, request_id: str, entry: tuple[float, int]) -> None:
+        """The replica accepted the request: it is in flight until completed."""
+        self.in_flight.setdefault(request_id, []).append(entry[1])
         self.num_in_flight += 1
 
     def complete(self, now: float, request_id: str) -> None:
@@ -118,6 +135,15 @@ class Ledger:
         self.num_in_flight -= 1
         self.returns.append((now, blocks))
         self.returned_blocks += blocks
+
+
+@dataclass(slots=True, frozen=True)
+class Reservation:
+    """Blocks reserved on a replica when it was chosen for a request, before the replica accepted it."""
+
+    pending: PendingRequest
+    replica_id: ReplicaID
+    entry: tuple[float, int]  # the ledger's (time, blocks) send entry
 
 
 class KVBlockRouter(FIFOMixin, RequestRouter):
@@ -159,8 +185,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     the block order, and Ray moves on to the next rank when a replica's queue is full
     (max_ongoing_requests). Remaining ties are broken at random so that routers do not all pick the
     same replica. The ledger only knows this router's sends: other routers' show up at the next
-    report. choose_replicas reads in-memory state only, never awaits, and costs O(n log n) in the
-    number of replicas.
+    report. choose_replicas reads in-memory state only, awaits nothing but a held request's poll,
+    and costs O(n log n) in the number of replicas.
 
     The chosen replica goes to the request it was ranked for: Ray's routing tasks finish out of
     order (each awaits queue-length probes), and FIFOMixin alone would hand the replica picked
@@ -168,8 +194,12 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     _get_pending_request_matching_metadata finds the ranked request by its metadata object (one
     per call); only when it is gone does FIFO order decide. Ray's default matching, by
     internal_request_id, is not used because every engine call made while serving one ingress
-    request shares that id: two concurrent calls (n > 1) would leave the second one unrouted. The
-    ledger charges the request that was actually sent (on_request_routed).
+    request shares that id: two concurrent calls (n > 1) would leave the second one unrouted.
+
+    The request's blocks go into the ledger the moment its replica is chosen, not when the replica
+    accepts it a round trip later (on_request_routed): in a burst, the next routing task must
+    already see them gone. If another replica ends up taking the request (the chosen one rejected
+    it as full), the reservation moves there.
 
     Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S and
     MAX_HOLD_S per deployment (stats_max_age_s, max_hold_s), and tests pass clock:
@@ -204,6 +234,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         self.stats_max_age_s = self.STATS_MAX_AGE_S
         self.max_hold_s = self.MAX_HOLD_S
         self._ledgers: dict[ReplicaID, Ledger] = {}
+        self._reservations: dict[int, Reservation] = {}  # id(PendingRequest) -> blocks reserved at choice
 
     def initialize_state(self, clock: Callable[[], float] | None = None, stats_max_age_s: float | None = None,
                          max_hold_s: float | None = None, **unknown):
@@ -288,26 +319,58 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
                 return pending
         return None
 
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        """Charges the request to the replica's ledger.
+    def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
+        """FIFOMixin's hand-over of a chosen replica, and the blocks reserved for it at once.
 
-        Ray calls this once the replica accepted the request under its rejection protocol (always
-        on, except from a Ray Client driver, where the ledger stays empty).
+        The request reaches the replica only after a round trip (Ray's rejection protocol), and
+        in a burst other routing tasks rank their requests meanwhile: without the reservation
+        they would all see the same free blocks and could send every long prompt to one replica.
         """
-        replica = self._replicas.get(replica_id)
-        if replica is None:
+        target = self._get_pending_request_matching_metadata(request_metadata) or next(
+            (p for p in self._pending_requests_to_fulfill if not p.future.done()), None)
+        super()._fulfill_next_pending_request(replica, request_metadata)
+        if target is not None and target.future.done() and not target.future.cancelled() \
+                and target.future.result() is replica:
+            self._reserve(target, replica.replica_id)
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        """The replica accepted the request: in flight there until completed.
+
+        Ray calls this after the rejection protocol's round trip (always on, except from a Ray
+        Client driver, where the ledger stays empty). The blocks were reserved when the replica
+        was chosen; if another replica took the request (the chosen one was full), they move.
+        """
+        if replica_id not in self._replicas:
             return
+        reservation = self._reservations.pop(id(pending_request), None)
+        if reservation is None or reservation.pending is not pending_request \
+                or reservation.replica_id != replica_id:
+            if reservation is not None and reservation.pending is pending_request:
+                self._ledger(reservation.replica_id).unreserve(reservation.entry)
+            reservation = self._reserve(pending_request, replica_id)
+            self._reservations.pop(id(pending_request), None)
+        self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry)
+
+    def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> Reservation:
         now = self.clock()
+        stale = [key for key, r in self._reservations.items() if now - r.entry[0] > self.stats_max_age_s]
+        for key in stale:  # never routed (cancelled): a newer report has dropped their blocks anyway
+            del self._reservations[key]
+        previous = self._reservations.get(id(pending_request))
+        if previous is not None and previous.pending is pending_request:  # chosen again after a rejection
+            self._ledger(previous.replica_id).unreserve(previous.entry)
         ledger = self._ledger(replica_id)
         # Any report fresh enough to be used drops these sends anyway; a replica that never
         # reports again must not grow its ledger forever.
         ledger.forget(now - self.stats_max_age_s)
-        report = read_report(replica.routing_stats)
+        replica = self._replicas.get(replica_id)
+        report = read_report(replica.routing_stats) if replica is not None else None
         if report is not None:
             ledger.observe(report)
         block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
-        ledger.add_send(now, blocks_needed(request_tokens(pending_request), block_size),
-                        pending_request.metadata.internal_request_id)
+        entry = ledger.reserve(now, blocks_needed(request_tokens(pending_request), block_size))
+        reservation = self._reservations[id(pending_request)] = Reservation(pending_request, replica_id, entry)
+        return reservation
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ledger = self._ledgers.get(replica_id)

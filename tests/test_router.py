@@ -187,11 +187,13 @@ def test_large_request_goes_to_the_replica_that_fits(clock):
         router.update_replicas(replicas)
         # 108 + 20 tokens = 8 blocks: only "eight" has room; "four" is short, below the unknown one.
         assert await ranking(router, replicas, request(108, 20)) == ["eight", "silent", "four"]
-        assert await router._choose_replica_for_request(request(108, 20)) is eight
         # 9 blocks fit nowhere known: the unreported replica first, then the smallest deficit.
         assert await ranking(router, replicas, request(109, 20)) == ["silent", "eight", "four"]
         # A small request fits both; most free first.
         assert await ranking(router, replicas, request(10, 5)) == ["eight", "four", "silent"]
+        assert await router._choose_replica_for_request(request(108, 20)) is eight
+        # Chosen, its 8 blocks are reserved there at once: "eight" has none left for the next one.
+        assert await ranking(router, replicas, request(10, 5)) == ["four", "silent", "eight"]
 
     run(router, body)
 
@@ -204,10 +206,12 @@ def test_ledger_subtracts_sends_until_a_newer_report(clock):
     async def body():
         router.update_replicas([a, b])
         pr = request(50, 14)  # 64 tokens = 4 blocks
-        assert await router._choose_replica_for_request(pr) is a
         clock.advance(0.1)
-        router.on_request_routed(pr, a.replica_id, result=None)
+        assert await router._choose_replica_for_request(pr) is a  # reserved at once, before a accepts it
         assert await ranking(router, [a, b], seven()) == ["b", "a"]  # a: 10 - 4 = 6 < 7
+        router.on_request_routed(pr, a.replica_id, result=None)  # accepted: not charged twice
+        assert router._ledgers[a.replica_id].unreported_blocks == 4
+        assert await ranking(router, [a, b], seven()) == ["b", "a"]
 
         # The same report again, or one read before the send, cannot show it yet.
         a.report(10, T0 + 0.05)
@@ -351,8 +355,8 @@ def test_dead_replica_is_never_chosen(clock):
         router.on_replica_actor_died(best.replica_id)
         # Even when the caller's candidate list still holds it.
         assert await ranking(router, replicas) == ["ok", "gone"]
-        for _ in range(3):
-            assert await router._choose_replica_for_request(request()) is ok
+        for _ in range(3):  # the live ones take turns (each choice counts as load until a report)
+            assert await router._choose_replica_for_request(request(10, 5)) in (ok, gone)
         router.update_replicas([ok])  # the controller's next broadcast drops "gone" as well
         assert await ranking(router, replicas) == ["ok"]
         assert set(router._ledgers) == {ok.replica_id}
@@ -504,5 +508,61 @@ def test_a_burst_routed_out_of_order_still_sends_the_long_prompt_where_it_fits(c
         chosen = await asyncio.wait_for(asyncio.gather(router._choose_replica_for_request(short),
                                                        router._choose_replica_for_request(long)), timeout=5)
         assert chosen == [small, roomy]
+
+    run(router, body)
+
+
+def test_a_burst_is_spread_before_any_replica_has_accepted(clock):
+    """Blocks are reserved when a replica is chosen, not when it accepts (a round trip later): in a
+    burst, the second long prompt must not see the first one's blocks as still free."""
+    router = make_router(clock)
+    a = FakeReplica("a").report(300, T0 + 0.01, total_blocks=1000)
+    b = FakeReplica("b").report(280, T0 + 0.01, total_blocks=1000)
+
+    async def body():
+        router.update_replicas([a, b])
+        clock.advance(0.1)
+        first, second = request(4000, 128), request(4000, 128)  # 258 blocks each
+        assert await router._choose_replica_for_request(first) is a
+        assert await router._choose_replica_for_request(second) is b  # a has 42 left
+        router.on_request_routed(first, a.replica_id, result=None)
+        router.on_request_routed(second, b.replica_id, result=None)
+        assert [router._ledgers[r.replica_id].unreported_blocks for r in (a, b)] == [258, 258]
+
+    run(router, body)
+
+
+def test_a_request_another_replica_took_moves_its_reservation(clock):
+    """The chosen replica was full (it rejected the request) and Ray sent it elsewhere."""
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(60, T0), FakeReplica("b").report(20, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        clock.advance(0.1)
+        pr = request(100, 20)  # 8 blocks
+        assert await router._choose_replica_for_request(pr) is a
+        router.on_request_routed(pr, b.replica_id, result=None)
+        assert router._ledgers[a.replica_id].unreported_blocks == 0
+        assert router._ledgers[b.replica_id].unreported_blocks == 8
+        assert router._ledgers[b.replica_id].num_in_flight == 1 and router._ledgers[a.replica_id].num_in_flight == 0
+
+    run(router, body)
+
+
+def test_reservations_of_requests_never_sent_are_dropped(clock):
+    router = make_router(clock)
+    a = FakeReplica("a").report(60, T0)
+
+    async def body():
+        router.update_replicas([a])
+        clock.advance(0.1)
+        await router._choose_replica_for_request(request(100, 20))  # cancelled before it was sent
+        assert len(router._reservations) == 1
+        clock.advance(router.stats_max_age_s + 0.1)
+        a.report(60, clock.time())
+        await router._choose_replica_for_request(request(100, 20))
+        assert len(router._reservations) == 1  # only the new one
+        assert router._ledgers[a.replica_id].num_in_flight == 0  # nothing was ever accepted
 
     run(router, body)
