@@ -102,9 +102,6 @@ class Ledger:
         while self.returns and self.returns[0][0] <= until:
             self.returned_blocks -= self.returns.popleft()[1]
 
-    def add_send(self, now: float, blocks: int, request_id: str) -> None:
-        self.start(request_id, self.reserve(now, blocks))
-
     def reserve(self, now: float, blocks: int) -> tuple[float, int]:
         """Blocks taken off the report from now on (a request chosen for the replica); the entry."""
         entry = (now, blocks)
@@ -342,13 +339,11 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         """
         if replica_id not in self._replicas:
             return
-        reservation = self._reservations.pop(id(pending_request), None)
+        reservation = self._reservations.get(id(pending_request))
         if reservation is None or reservation.pending is not pending_request \
                 or reservation.replica_id != replica_id:
-            if reservation is not None and reservation.pending is pending_request:
-                self._ledger(reservation.replica_id).unreserve(reservation.entry)
-            reservation = self._reserve(pending_request, replica_id)
-            self._reservations.pop(id(pending_request), None)
+            reservation = self._reserve(pending_request, replica_id)  # moves one made elsewhere
+        del self._reservations[id(pending_request)]
         self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry)
 
     def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> Reservation:

@@ -4,7 +4,6 @@ synchronous engine. On the CPU the forward pass runs at launch, so nothing overl
 placeholders, the device-side input gather, the deferred prefix commits and the fallbacks run
 exactly as on a GPU."""
 
-import asyncio
 import random
 
 import pytest
@@ -213,34 +212,6 @@ def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_mo
             assert got.token_ids == want.token_ids[: len(got.token_ids)]
         else:
             assert summary([got]) == summary([want])
-
-
-def test_async_llm_streams_and_aborts_with_async_scheduling(small_model):
-    llm = make_llm(small_model, async_scheduling=True)
-    engine = ponytail.AsyncLLM(llm)
-    prompts = random_prompts(3, seed=9)
-    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-
-    async def collect(prompt, params, stop_after=None):
-        deltas = []
-        async for delta in engine.generate(prompt, params):
-            assert -1 not in delta.new_token_ids and -1 not in delta.output.token_ids
-            deltas.append(delta)
-            if stop_after is not None and len(deltas) == stop_after:
-                break
-        return deltas
-
-    async def main():
-        return await asyncio.gather(collect(prompts[0], greedy), collect(prompts[1], greedy, stop_after=2),
-                                    collect(prompts[2], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)))
-
-    full, cut, short = asyncio.run(main())
-    assert full[-1].finished and full[-1].output.token_ids == plain_greedy(small_model[0], prompts[0], 12)
-    assert [t for d in full for t in d.new_token_ids] == full[-1].output.token_ids
-    assert "".join(d.delta_text for d in full) == full[-1].output.text
-    assert len(cut) == 2 and not cut[-1].finished
-    assert short[-1].finished and len(short[-1].output.token_ids) == 5
-    assert engine.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
 
 
 def test_default_model_text_with_eos_equals_the_sync_engine(default_model):

@@ -168,14 +168,16 @@ def test_a_request_larger_than_the_whole_cache_is_refused_at_once(small_model):
         llm.engine.add_request([5] * 40, SamplingParams(max_tokens=10))
 
 
-def test_async_engine_streams_deltas_and_aborts(small_model):
-    llm = make_llm(small_model)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_async_engine_streams_deltas_and_aborts(small_model, async_scheduling):
+    llm = make_llm(small_model, async_scheduling=async_scheduling)
     engine = ponytail.AsyncLLM(llm)
     prompts = random_prompts(3, seed=9)
 
     async def collect(prompt, params, stop_after=None):
         deltas = []
         async for delta in engine.generate(prompt, params):
+            assert -1 not in delta.new_token_ids and -1 not in delta.output.token_ids  # no placeholder leaks
             deltas.append(delta)
             if stop_after is not None and len(deltas) == stop_after:
                 break
@@ -188,10 +190,11 @@ def test_async_engine_streams_deltas_and_aborts(small_model):
     full, cut, short = asyncio.run(main())
     assert full[-1].finished and full[-1].output.token_ids == plain_greedy(small_model[0], prompts[0], 12)
     assert sum(len(d.new_token_ids) for d in full) == 12
+    assert [t for d in full for t in d.new_token_ids] == full[-1].output.token_ids
     assert "".join(d.delta_text for d in full) == full[-1].output.text
     assert len(cut) == 2 and not cut[-1].finished
     assert short[-1].finished and len(short[-1].output.token_ids) == 5
-    assert engine.stats().used_blocks == 0
+    assert engine.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
 
 
 def test_a_slow_consumer_gets_the_waiting_deltas_merged(small_model):
