@@ -36,6 +36,15 @@ def test_app_args_are_checked():
         AppArgs(router="random")
     with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false"):
         AppArgs(compile_model="yes")
+    with pytest.raises(ValueError, match=r"max_hold_s=-1 is not supported; allowed: seconds >= 0 \(0: never hold\)"):
+        AppArgs(max_hold_s=-1)
+
+
+def test_router_arguments_reach_only_the_kv_block_router():
+    from deployments.app import AppArgs, router_arguments
+
+    assert router_arguments(AppArgs(max_hold_s=0)) == {"max_hold_s": 0.0}
+    assert router_arguments(AppArgs(router="power_of_two")) == {}
 
 
 def test_engine_arguments_reach_the_replica_constructor():
