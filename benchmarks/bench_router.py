@@ -52,6 +52,7 @@ ROUTER_ARGS = {  # --routers names -> the app's args that select them
     "kv_blocks": {"router": "kv_blocks"},
     "power_of_two": {"router": "power_of_two"},  # Serve's default
     "kv_blocks_nohold": {"router": "kv_blocks", "max_hold_s": 0},  # never waits in the router
+    "kv_blocks_per_token": {"router": "kv_blocks", "stream_interval_s": 0},  # a Ray message per token and stream
 }
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
 BLOCK = 16

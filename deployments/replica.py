@@ -24,10 +24,12 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = 16,
-                 model_id: str | None = None, compile_model: bool = False):
+                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)
-        self.engine = ponytail.AsyncLLM(self.llm)
+        # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
+        # that sends them shares the GIL with the engine's step thread.
+        self.engine = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
         self.tokenizer = self.llm.tokenizer
         config = self.llm.engine.cache.config
         self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),

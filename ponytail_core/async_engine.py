@@ -7,15 +7,19 @@ Requests are checked (and refused with ConfigError) on the caller's side before 
 With async scheduling (the default on CUDA) a step hands back the previous step's deltas while the
 new one runs on the device; an abort between steps drops the token still being sampled. A consumer
 that falls behind gets what waits for it as one delta (as vLLM's output collector merges them), so
-a slow stream costs one hand-over per read, not one per token.
+a slow stream costs one hand-over per read, not one per token. With `stream_interval_s` a stream
+also waits that long after each delta but the first, so a server hands its transport (Ray, HTTP)
+one message per interval instead of one per token (Ray Serve LLM batches every 50 ms the same
+way); the first token and the finished delta are never held back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .llm import LLM
@@ -40,13 +44,46 @@ class RequestDelta:
                             self.new_token_ids + later.new_token_ids, later.finished, later.output)
 
 
+@dataclass(slots=True)
+class _Stream:
+    """One request's deliveries. `wake` ends a stream's wait between deltas early: set once what
+    ends the request (a finished delta or an error) is queued, or by the wait's own timer."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self.queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self.ended = True
+            self.wake.set()
+
+    async def wait_until(self, deadline: float) -> None:
+        """Until the loop's clock reaches `deadline`, or at once when the request has ended."""
+        loop = asyncio.get_running_loop()
+        if self.ended or deadline <= loop.time():
+            return
+        self.wake.clear()
+        timer = loop.call_at(deadline, self.wake.set)
+        try:
+            await self.wake.wait()
+        finally:
+            timer.cancel()
+
+
 class AsyncLLM:
-    def __init__(self, llm: LLM | LLMEngine):
+    def __init__(self, llm: LLM | LLMEngine, stream_interval_s: float = 0.0):
+        if not (isinstance(stream_interval_s, (int, float)) and not isinstance(stream_interval_s, bool)
+                and 0 <= stream_interval_s < math.inf):
+            raise ConfigError(f"stream_interval_s={stream_interval_s!r} is not supported; allowed: seconds >= 0 "
+                              "(0: a delta per engine step)")
         self.engine = llm.engine if isinstance(llm, LLM) else llm
+        self.stream_interval_s = float(stream_interval_s)
         self._incoming: deque[Request] = deque()  # prepared on the loop, enqueued by the worker
         self._aborts: deque[str] = deque()
         self._forget: deque[str] = deque()
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, _Stream] = {}
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
 
@@ -54,18 +91,22 @@ class AsyncLLM:
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas as they come; aborts it if the consumer stops early."""
         request = self.engine.prepare_request(prompt, params, request_id)
-        if request.request_id in self._queues:
+        if request.request_id in self._streams:
             raise ConfigError(f"request_id={request.request_id!r} is already in use")
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[request.request_id] = queue
+        stream = _Stream()
+        queue = stream.queue
+        self._streams[request.request_id] = stream
         self._incoming.append(request)
         self._ensure_loop()
         finished = False
         error: BaseException | None = None  # met while merging: raised after the merged delta
+        last_yield: float | None = None
         try:
             while not finished:
                 if error is not None:
                     raise error
+                if last_yield is not None and self.stream_interval_s:
+                    await stream.wait_until(last_yield + self.stream_interval_s)
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
@@ -77,8 +118,9 @@ class AsyncLLM:
                     item = item.merged_with(later)
                 finished = item.finished
                 yield item
+                last_yield = asyncio.get_running_loop().time()
         finally:
-            self._queues.pop(request.request_id, None)
+            self._streams.pop(request.request_id, None)
             if not finished:
                 self._aborts.append(request.request_id)
             self._forget.append(request.request_id)
@@ -89,7 +131,7 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> bool:
         """Ask for a request to stop; its stream ends with a finished delta (reason "abort")."""
-        if request_id not in self._queues:
+        if request_id not in self._streams:
             return False
         self._aborts.append(request_id)
         self._ensure_loop()
@@ -145,15 +187,16 @@ class AsyncLLM:
             try:
                 delivered, failed = await asyncio.to_thread(self._step)
             except Exception as exc:  # a failed step fails its requests, not the server
-                for request_id, queue in list(self._queues.items()):
-                    queue.put_nowait(exc)
+                for request_id, stream in list(self._streams.items()):
+                    stream.put(exc)
                     self._aborts.append(request_id)
                 continue
             for request_id, exc in failed:
-                queue = self._queues.get(request_id)
-                if queue is not None:
-                    queue.put_nowait(exc)
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(exc)
             for delta in delivered:
-                queue = self._queues.get(delta.request_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.put(delta)
+

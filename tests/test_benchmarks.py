@@ -83,7 +83,8 @@ def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
     for args, message in ((["--routers", "kv_blocks,random"],
-                           "--routers: unknown ['random']; allowed: kv_blocks, power_of_two, kv_blocks_nohold"),
+                           "--routers: unknown ['random']; allowed: kv_blocks, power_of_two, kv_blocks_nohold, "
+                           "kv_blocks_per_token"),
                           (["--gaps", "1.0,soon"], "--gaps '1.0,soon': expected seconds >= 0, comma-separated")):
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_router.py"), "--small", *args],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -38,6 +38,8 @@ def test_app_args_are_checked():
         AppArgs(compile_model="yes")
     with pytest.raises(ValueError, match=r"max_hold_s=-1 is not supported; allowed: seconds >= 0 \(0: never hold\)"):
         AppArgs(max_hold_s=-1)
+    with pytest.raises(ValueError, match=r"stream_interval_s=5 is not supported; allowed: seconds from 0 to 1"):
+        AppArgs(stream_interval_s=5)
 
 
 def test_router_arguments_reach_only_the_kv_block_router():
@@ -53,8 +55,9 @@ def test_engine_arguments_reach_the_replica_constructor():
     from deployments.app import AppArgs, engine_arguments
     from deployments.replica import EngineReplica
 
-    args = engine_arguments(AppArgs(compile_model=True, max_num_seqs=8), gpu=False)
+    args = engine_arguments(AppArgs(compile_model=True, max_num_seqs=8, stream_interval_s=0.02), gpu=False)
     assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
+    assert args["stream_interval_s"] == 0.02
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
 

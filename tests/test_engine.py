@@ -218,6 +218,52 @@ def test_a_slow_consumer_gets_the_waiting_deltas_merged(small_model):
     assert engine.stats().used_blocks == 0
 
 
+def test_a_stream_interval_merges_deltas_but_never_holds_the_first_token_or_the_end(small_model):
+    llm = make_llm(small_model)
+    prompt = random_prompts(1, seed=14)[0]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def timed(engine):
+        loop = asyncio.get_running_loop()
+        start, deltas, times = loop.time(), [], []
+        async for delta in engine.generate(prompt, params):
+            deltas.append(delta)
+            times.append(loop.time() - start)
+        return deltas, times, loop.time() - start
+
+    unbatched, _, _ = asyncio.run(timed(ponytail.AsyncLLM(llm)))
+    deltas, times, total = asyncio.run(timed(ponytail.AsyncLLM(llm, stream_interval_s=60.0)))
+    assert len(unbatched) == 12 and len(deltas[0].new_token_ids) == 1  # the first token came alone
+    # an interval longer than the whole request: the rest is one delta, sent as it finished, not 60 s later
+    assert len(deltas) == 2 and deltas[1].finished and total < 30
+    assert [t for d in deltas for t in d.new_token_ids] == unbatched[-1].output.token_ids
+    assert "".join(d.delta_text for d in deltas) == unbatched[-1].output.text
+    assert llm.engine.stats().used_blocks == 0
+
+
+def test_a_stream_interval_is_checked():
+    with pytest.raises(ConfigError, match=r"stream_interval_s=-0.1 is not supported; allowed: seconds >= 0"):
+        ponytail.AsyncLLM(object.__new__(ponytail.LLM), stream_interval_s=-0.1)
+
+
+def test_an_abort_ends_a_stream_waiting_out_its_interval(small_model):
+    llm = make_llm(small_model)
+    engine = ponytail.AsyncLLM(llm, stream_interval_s=60.0)
+    params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+
+    async def main():
+        deltas = []
+        async for delta in engine.generate(random_prompts(1, seed=15)[0], params, request_id="r"):
+            deltas.append(delta)
+            if len(deltas) == 1:
+                asyncio.get_running_loop().call_later(0.2, lambda: asyncio.ensure_future(engine.abort("r")))
+        return deltas
+
+    deltas = asyncio.run(asyncio.wait_for(main(), 30))
+    assert deltas[-1].finished and deltas[-1].output.finish_reason == "abort"
+    assert llm.engine.stats().used_blocks == 0
+
+
 def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     pytest.importorskip("ray.serve")
     from deployments.metrics import ReplicaMetrics
