@@ -71,9 +71,19 @@ def prompt_ids(tokenizer, length, rng) -> list[int]:
     return ids[:length]
 
 
-def workload(tokenizer, n, long_share, long_len, short_len, seed):
+def workload(tokenizer, n, long_share, long_len, short_len, seed, burst=None, long_per_burst=None):
+    """n prompts: each long with probability long_share, or, with long_per_burst, exactly that many
+    long ones in every burst of `burst`, at random places."""
     rng = random.Random(seed)
-    return [prompt_ids(tokenizer, long_len if rng.random() < long_share else short_len, rng) for _ in range(n)]
+    if long_per_burst is None:
+        lengths = [long_len if rng.random() < long_share else short_len for _ in range(n)]
+    else:
+        lengths = []
+        for start in range(0, n, burst):
+            size = min(burst, n - start)
+            longs = set(rng.sample(range(size), min(long_per_burst, size)))
+            lengths += [long_len if i in longs else short_len for i in range(size)]
+    return [prompt_ids(tokenizer, length, rng) for length in lengths]
 
 
 def kv_budget(model_dir, device, long_per_replica, sizes) -> dict:
@@ -159,9 +169,10 @@ def over_capacity_bursts(prompts: list[list[int]], burst: int, long_len: int, lo
     return [c for c in counts if c > 2 * long_per_replica]
 
 
-def replica_counters(app_name) -> dict[str, tuple[int, int, int]]:
-    """{replica: (requests taken, prompt tokens admitted, preemptions)} so far."""
-    return {name: (r.num_requests, r.stats.prefix_cache_queries, r.stats.num_preemptions)
+def replica_counters(app_name) -> dict[str, tuple]:
+    """{replica: (requests taken, prompt tokens admitted, preemptions, engine steps, their seconds)} so far."""
+    return {name: (r.num_requests, r.stats.prefix_cache_queries, r.stats.num_preemptions, r.num_steps,
+                   r.step_seconds)
             for name, r in replica_reports(app_name, replicas=2).items()}
 
 
@@ -183,6 +194,9 @@ def main() -> int:
     parser.add_argument("--long-per-replica", type=int, default=3,
                         help="long requests (prompt + max_tokens) one replica's KV pool holds at once (default 3: "
                         "no burst of the default loads brings more than both pools hold, so placement decides)")
+    parser.add_argument("--long-per-burst", type=int,
+                        help="exactly this many long prompts in every burst, at random places (default: each "
+                        "prompt long with probability 1/4)")
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", default="kv_blocks,power_of_two",
@@ -192,6 +206,8 @@ def main() -> int:
                         help="rounds of both routers, the order reversed every round; results pooled")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.long_per_burst is not None and args.long_per_burst < 0:
+        parser.error(f"--long-per-burst {args.long_per_burst}: expected 0 or more")
     unknown = [r for r in args.routers.split(",") if r not in ROUTER_ARGS]
     if unknown:
         parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}")
@@ -216,7 +232,8 @@ def main() -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     loads = [(gap, workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"],
-                            seed=index)) for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
+                            seed=index, burst=sizes["burst"], long_per_burst=args.long_per_burst))
+             for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
     warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))
               for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
     for gap, prompts in loads:
@@ -248,7 +265,9 @@ def main() -> int:
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
                     result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
                                   replica_prompt_tokens=[d[1] for d in deltas],
-                                  preemptions=sum(d[2] for d in deltas))
+                                  preemptions=sum(d[2] for d in deltas), replica_steps=[d[3] for d in deltas],
+                                  replica_step_ms=[round(1e3 * d[4] / d[3], 2) if d[3] else None for d in deltas],
+                                  replica_busy=[round(d[4] / result["seconds"], 3) for d in deltas])
                     runs.setdefault(router, []).append(result)
                 serve.delete(name)
     finally:
@@ -263,6 +282,8 @@ def main() -> int:
                 print(f"{gap:4.1f} {r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} "
                       f"{r['ttft_p50'] or float('nan'):9.3f} {r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} "
                       f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
+                print(f"{'':26s}engine steps {r['replica_steps']}, mean step ms {r['replica_step_ms']}, "
+                      f"busy {r['replica_busy']} of the load's time")
                 for error in r["errors"]:
                     print(f"  error: {error}")
     results = {router: {str(gap): pooled([r for r in router_runs if r["gap"] == gap]) for gap in gaps}

@@ -58,6 +58,8 @@ class ReplicaReport:
     routing: dict[str, Any]  # what record_routing_stats() returns now: the numbers the router reads
     num_requests: int  # generate calls this replica has taken since it started
     stats: EngineStats  # the engine's counters (blocks, running, waiting, preemptions, ...)
+    num_steps: int = 0  # engine steps driven since the replica started
+    step_seconds: float = 0.0  # their time in the engine's worker thread (device waits included)
 
 
 # Keys of a replica's record_routing_stats() dict, read by the router.

@@ -86,7 +86,8 @@ class EngineReplica:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""
         return ReplicaReport(replica=ray.get_runtime_context().get_actor_name() or "local", info=self.info,
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
-                             stats=self.llm.stats())
+                             stats=self.llm.stats(), num_steps=self.engine.num_steps,
+                             step_seconds=self.engine.step_seconds)
 
     def _blocks_promised(self) -> int:
         """Blocks queued and running requests will still take to reach prompt + max_tokens.

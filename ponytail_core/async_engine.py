@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -86,6 +87,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
+        self.num_steps = 0  # engine steps driven so far
+        self.step_seconds = 0.0  # their time in the worker thread: with the wall clock, how busy the engine is
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -153,6 +156,14 @@ class AsyncLLM:
 
     def _step(self):
         """Worker thread: apply hand-overs, then one engine step. Returns what to deliver."""
+        start = time.perf_counter()
+        try:
+            return self._step_untimed()
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+
+    def _step_untimed(self):
         engine = self.engine
         delivered, failed = [], []
         while self._incoming:

@@ -66,11 +66,29 @@ def test_profile_engine_small_accounts_for_the_step(tmp_path):
 @pytest.mark.slow
 def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
     out = tmp_path / "router.json"
-    run_script("bench_router.py", "--small", "--json", str(out))  # exits 1 if any request failed
+    run_script("bench_router.py", "--small", "--long-per-burst", "1", "--json", str(out))  # exit 1: a failure
     report = json.loads(out.read_text())
     assert set(report["pooled"]) == {"kv_blocks", "power_of_two"}
     for runs in report["runs"].values():
         assert sum(runs[0]["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
+        assert sum(runs[0]["replica_steps"]) > 0 and all(0 < b < 1 for b in runs[0]["replica_busy"] if b)
+
+
+def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_burst():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_router import workload
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Words:  # a tokenizer stand-in: one token per word
+        def __call__(self, text, add_special_tokens=False):
+            return type("Encoding", (), {"input_ids": list(range(len(text.split())))})()
+
+    prompts = workload(Words(), 40, 0.25, 30, 5, seed=3, burst=16, long_per_burst=4)
+    counts = [sum(len(p) == 30 for p in prompts[i:i + 16]) for i in range(0, 40, 16)]
+    assert len(prompts) == 40 and counts == [4, 4, 4] and all(len(p) in (5, 30) for p in prompts)
+    assert [len(p) for p in prompts[:16]] != [len(p) for p in prompts[16:32]]  # places differ per burst
 
 
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
