@@ -151,6 +151,19 @@ class AsyncLLM:
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run())
 
+    async def _idle(self) -> None:
+        """Wait for work. With KV memory to spare, maintain the pool when the cache's release
+        delay is up, so an idle server gives that memory back (no step runs to do it)."""
+        delay = self.engine.cache.seconds_until_release()
+        if delay is None:
+            await self._wakeup.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout=delay + 0.01)
+        except asyncio.TimeoutError:
+            if not self._has_work():
+                await asyncio.to_thread(self.engine.maintain)
+
     def _has_work(self) -> bool:
         return bool(self._incoming or self._aborts or self._forget) or self.engine.has_unfinished()
 
@@ -193,7 +206,7 @@ class AsyncLLM:
                 self._wakeup.clear()
                 if self._has_work():  # a hand-over raced with the clear
                     continue
-                await self._wakeup.wait()
+                await self._idle()
                 continue
             try:
                 delivered, failed = await asyncio.to_thread(self._step)

@@ -37,7 +37,8 @@ class LLM:
                  kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
                  max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 compile_model: bool = False, async_scheduling: bool | None = None):
+                 compile_model: bool = False, async_scheduling: bool | None = None,
+                 kv_release_after_s: float = 30.0):
         if model is None or isinstance(model, str):
             model, tokenizer = load_model(model, device=device, dtype=dtype)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
@@ -59,6 +60,10 @@ class LLM:
         elif not isinstance(async_scheduling, bool):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None "
                               "(None: on for CUDA devices, off on the CPU)")
+        if not (isinstance(kv_release_after_s, (int, float)) and not isinstance(kv_release_after_s, bool)
+                and 0 <= kv_release_after_s < float("inf")):
+            raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
+                              "(0: give spare KV memory back at once)")
         memory = self._kv_memory(kv_cache_memory, device)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
@@ -68,6 +73,7 @@ class LLM:
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,
                                 async_scheduling=async_scheduling)
         self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
+        self.engine.cache.release_after_s = float(kv_release_after_s)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 

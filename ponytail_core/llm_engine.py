@@ -206,10 +206,15 @@ class LLMEngine:
                 outputs = self._finish_in_flight()
             self._steps += 1
             if self._steps % self.MAINTAIN_EVERY == 0:
-                # Decoding requests take at most a block each per block_size steps until the next run.
-                per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
-                self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
+                self.maintain()
         return outputs
+
+    def maintain(self) -> None:
+        """The pool's maintenance: every MAINTAIN_EVERY steps, and from AsyncLLM when idle (so
+        memory spare for `cache.release_after_s` goes back even when no step runs)."""
+        # Decoding requests take at most a block each per block_size steps until the next run.
+        per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+        self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
 
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
         """Queue the model forward and the sampling of a step; read nothing back.

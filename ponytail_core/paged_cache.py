@@ -7,6 +7,7 @@ ids and hands the freed tail back to the device.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -50,8 +51,12 @@ class PagedKVCache:
     GROW_WHEN_FREE_BELOW = 0.05  # maintain() adds a chunk when free blocks fall under this share
     KEEP_FREE_CHUNKS = 1  # maintain() keeps this many chunks of free headroom when shrinking
 
-    def __init__(self, config: CacheConfig, initial_chunks: int = 1):
+    def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0):
         self.config = config
+        # maintain() gives chunks back only once the pool has had them spare this long: a server
+        # whose bursts come seconds apart keeps its working size instead of regrowing every burst.
+        self.release_after_s = release_after_s
+        self._spare_since: float | None = None  # when maintain() first saw chunks to spare, in a row
         chunk_blocks = config.pool_chunk_blocks
         self.max_chunks = config.max_num_blocks // chunk_blocks
         self.storage = PagedKVStorage(config, chunk_blocks, self.max_chunks)
@@ -149,11 +154,10 @@ class PagedKVCache:
         the rest are compacted below the cut together with the live ones.
         """
         chunk_blocks = self.storage.chunk_blocks
-        needed_chunks = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // chunk_blocks))
-        release = self.num_chunks - needed_chunks
+        release = self.spare_chunks(keep_free_blocks, min_chunks)
         if release <= 0:
             return 0
-        capacity = needed_chunks * chunk_blocks
+        capacity = (self.num_chunks - release) * chunk_blocks
         holding_data = self.allocator.num_used + self.allocator.num_evictable
         self.allocator.evict(holding_data - capacity)
         if self.allocator.high_water_mark > capacity:
@@ -163,14 +167,30 @@ class PagedKVCache:
         self.num_chunks_released += release
         return release
 
-    def maintain(self, reserve_blocks: int | None = None) -> MaintenanceReport:
+    def spare_chunks(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
+        """Tail chunks shrink() would release now."""
+        needed = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // self.storage.chunk_blocks))
+        return max(0, self.num_chunks - needed)
+
+    def seconds_until_release(self, now: float | None = None) -> float | None:
+        """How long until maintain() would give spare chunks back (the count starts now if it had
+        not started); None when no chunk is spare."""
+        if not self.spare_chunks(self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks):
+            return None
+        now = time.monotonic() if now is None else now
+        if self._spare_since is None:
+            self._spare_since = now
+        return max(0.0, self._spare_since + self.release_after_s - now)
+
+    def maintain(self, reserve_blocks: int | None = None, now: float | None = None) -> MaintenanceReport:
         """The automatic policy, run between steps: grow when free blocks run low, compact past
         the fragmentation threshold (like llama.cpp's defrag_thold), release idle tail chunks.
 
         reserve_blocks: free blocks wanted before the next maintenance (the engine passes what its
         running requests can take by then); None: GROW_WHEN_FREE_BELOW of the pool. Growing
         ahead of need only saves an allocation inside a step (allocate/append grow on demand),
-        so a tight reserve keeps the pool's peak close to what live tokens need."""
+        so a tight reserve keeps the pool's peak close to what live tokens need. Spare chunks go
+        back only after `release_after_s` of being spare at every call (now: time.monotonic())."""
         added = 0
         low = self.GROW_WHEN_FREE_BELOW * self.allocator.num_blocks if reserve_blocks is None else reserve_blocks
         if self.allocator.num_free < low:
@@ -179,8 +199,16 @@ class PagedKVCache:
         if self.fragmentation >= self.config.defrag_threshold and self.fragmentation > 0:
             defrag = self.defragment()
         released = 0
-        if not added:
-            released = self.shrink(keep_free_blocks=self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks)
+        keep = self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks
+        if added or not self.spare_chunks(keep):
+            self._spare_since = None
+        else:
+            now = time.monotonic() if now is None else now
+            if self._spare_since is None:
+                self._spare_since = now
+            if now - self._spare_since >= self.release_after_s:
+                released = self.shrink(keep_free_blocks=keep)
+                self._spare_since = None
         return MaintenanceReport(chunks_added=added, defrag=defrag, chunks_released=released)
 
     def stats(self) -> CacheStats:

@@ -69,7 +69,9 @@ def test_greedy_batch_of_mixed_lengths_equals_plain_generate(small_model):
 
 def test_a_small_budget_forces_preemption_and_defragmentation_without_changing_outputs(small_model):
     # 64 blocks of 4 tokens; 8 sequences growing to ~70 tokens each need ~140: preemption is certain.
-    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64)
+    # kv_release_after_s=0: the pool also shrinks (and so compacts) as soon as load falls
+    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64,
+                   kv_release_after_s=0)
     llm.engine.cache.config.defrag_threshold = 0.05
     prompts = random_prompts(8, seed=1, low=20, high=40)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
@@ -262,6 +264,34 @@ def test_an_abort_ends_a_stream_waiting_out_its_interval(small_model):
     deltas = asyncio.run(asyncio.wait_for(main(), 30))
     assert deltas[-1].finished and deltas[-1].output.finish_reason == "abort"
     assert llm.engine.stats().used_blocks == 0
+
+
+def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay(small_model):
+    llm = make_llm(small_model, kv_release_after_s=0.5)
+    engine = ponytail.AsyncLLM(llm)
+    cache = llm.engine.cache
+    prompts = random_prompts(4, seed=16)
+
+    async def main():
+        async def one(prompt):
+            async for _ in engine.generate(prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)):
+                pass
+        await asyncio.gather(*(one(p) for p in prompts))
+        grown = cache.num_chunks
+        await asyncio.sleep(0.1)
+        held = cache.num_chunks  # spare, but not for long enough yet
+        await asyncio.sleep(1.5)  # no request and no step: only the idle loop can release it
+        return grown, held, cache.num_chunks
+
+    grown, held, after = asyncio.run(main())
+    assert grown > 1 and held == grown and after < grown
+    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.storage.chunk_blocks) == 0
+    assert cache.invariants() == []
+
+
+def test_kv_release_after_s_is_checked(small_model):
+    with pytest.raises(ConfigError, match=r"kv_release_after_s=-1 is not supported; allowed: seconds >= 0"):
+        ponytail.LLM(small_model[0], kv_cache_memory="4MiB", kv_release_after_s=-1)
 
 
 def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):

@@ -109,6 +109,23 @@ def test_maintain_grows_when_low_defragments_over_threshold_and_releases_idle_ch
     assert cache.invariants() == []
 
 
+def test_spare_chunks_go_back_only_after_release_after_s_spare_in_a_row():
+    cache = make_cache(max_blocks=64, chunk_blocks=8)
+    cache.release_after_s = 10.0
+    fill(cache, 1, 4 * 30)  # 30 blocks: 4 chunks
+    cache.free(1)  # 3 chunks to spare (one chunk of headroom stays)
+    assert cache.seconds_until_release(now=100.0) == 10.0  # the count starts here
+    assert cache.maintain(now=105.0).chunks_released == 0 and cache.num_chunks == 4
+    fill(cache, 2, 4 * 30)  # a burst uses the pool again: nothing spare, the count stops
+    assert cache.maintain(now=106.0).chunks_released == 0 and cache.seconds_until_release(now=106.0) is None
+    cache.free(2)
+    assert cache.maintain(now=107.0).chunks_released == 0  # spare again: counts from 107, not 100
+    assert cache.maintain(now=116.5).chunks_released == 0 and cache.num_chunks == 4
+    assert cache.seconds_until_release(now=116.5) == 0.5
+    assert cache.maintain(now=117.0).chunks_released == 3 and cache.num_chunks == 1
+    assert cache.seconds_until_release(now=117.0) is None and cache.invariants() == []
+
+
 def test_maintain_grows_ahead_only_for_the_reserve_it_is_given():
     cache = make_cache(max_blocks=64, chunk_blocks=8, threshold=0.9)
     fill(cache, 1, 4 * 30)  # 30 of 32 blocks used (4 chunks): 2 free, under the 5% default
