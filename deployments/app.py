@@ -18,6 +18,8 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from ponytail.units import is_seconds
+
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
@@ -60,10 +62,10 @@ class AppArgs:
         if not isinstance(self.compile_model, bool):
             raise ValueError(f"compile_model={self.compile_model!r} is not supported; allowed: true, false")
         hold = self.max_hold_s
-        if not (isinstance(hold, (int, float)) and not isinstance(hold, bool) and 0 <= hold < float("inf")):
+        if not is_seconds(hold):
             raise ValueError(f"max_hold_s={hold!r} is not supported; allowed: seconds >= 0 (0: never hold)")
         interval = self.stream_interval_s
-        if not (isinstance(interval, (int, float)) and not isinstance(interval, bool) and 0 <= interval <= 1):
+        if not is_seconds(interval, most=1):
             raise ValueError(f"stream_interval_s={interval!r} is not supported; allowed: seconds from 0 to 1 "
                              "(0: a message per engine step)")
         if not 1 <= self.min_replicas <= self.max_replicas:

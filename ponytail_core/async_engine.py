@@ -16,7 +16,6 @@ way); the first token and the finished delta are never held back.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from .llm import LLM
 from .llm_engine import EngineStats, LLMEngine
 from .request import Request, RequestOutput
 from .sampling_params import SamplingParams
+from .units import is_seconds
 
 
 @dataclass(slots=True)
@@ -75,8 +75,7 @@ class _Stream:
 
 class AsyncLLM:
     def __init__(self, llm: LLM | LLMEngine, stream_interval_s: float = 0.0):
-        if not (isinstance(stream_interval_s, (int, float)) and not isinstance(stream_interval_s, bool)
-                and 0 <= stream_interval_s < math.inf):
+        if not is_seconds(stream_interval_s):
             raise ConfigError(f"stream_interval_s={stream_interval_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: a delta per engine step)")
         self.engine = llm.engine if isinstance(llm, LLM) else llm
@@ -223,4 +222,3 @@ class AsyncLLM:
                 stream = self._streams.get(delta.request_id)
                 if stream is not None:
                     stream.put(delta)
-

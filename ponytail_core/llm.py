@@ -14,7 +14,7 @@ from .llm_engine import EngineStats, LLMEngine
 from .model_loader import load_model
 from .request import RequestOutput
 from .sampling_params import SamplingParams
-from .units import format_bytes, parse_bytes
+from .units import format_bytes, is_seconds, parse_bytes
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -60,8 +60,7 @@ class LLM:
         elif not isinstance(async_scheduling, bool):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None "
                               "(None: on for CUDA devices, off on the CPU)")
-        if not (isinstance(kv_release_after_s, (int, float)) and not isinstance(kv_release_after_s, bool)
-                and 0 <= kv_release_after_s < float("inf")):
+        if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
         memory = self._kv_memory(kv_cache_memory, device)

@@ -1,7 +1,8 @@
-"""Byte sizes as users write them ("4GiB", "80 GB") and as we print them ("8.6 GB")."""
+"""Byte sizes as users write them ("4GiB", "80 GB") and as we print them ("8.6 GB"); durations checked."""
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 
@@ -71,3 +72,9 @@ def format_bytes(n: int) -> str:
 def format_bytes_binary(n: int) -> str:
     """Binary units with one decimal: 8589934592 -> "8.0 GiB"; below 1024 bytes -> "512 B"."""
     return _format(n, 1024, _BINARY)
+
+
+def is_seconds(value: object, most: float = math.inf) -> bool:
+    """A finite duration from 0 to `most` seconds (an int or float; bool is not a number here)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and 0 <= value <= most)
