@@ -74,6 +74,15 @@ def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
         assert sum(runs[0]["replica_steps"]) > 0 and all(0 < b < 1 for b in runs[0]["replica_busy"] if b)
 
 
+@pytest.mark.slow
+def test_probe_pool_release_small_runs_every_policy(tmp_path):
+    out = tmp_path / "pool.json"
+    run_script("probe_pool_release.py", "--small", "--json", str(out))
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"release_at_once", "release_after_30s", "never_release"}
+    assert all(r["steps"] > 0 and r["ttft_max"] >= r["ttft_p50"] > 0 for r in results.values())
+
+
 def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_burst():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
