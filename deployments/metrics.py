@@ -30,7 +30,12 @@ class ReplicaMetrics:
                                       boundaries=_LATENCY_BOUNDARIES)
         self.tpot = metrics.Histogram("ponytail_time_per_output_token_seconds", "Time per output token",
                                       boundaries=_LATENCY_BOUNDARIES)
+        self.steps = metrics.Counter("ponytail_engine_steps_total", "Engine steps run")
+        self.busy = metrics.Counter("ponytail_engine_busy_seconds_total",
+                                    "Seconds the engine spent in its steps (rate: the busy share; "
+                                    "over the step rate: the mean step time)")
         self._last = None  # the previous EngineStats, to turn totals into counter increments
+        self._last_loop = (0, 0.0)  # the previous (steps, busy seconds) of the engine loop
 
     def on_stats(self, stats: EngineStats) -> None:
         used = stats.used_blocks / stats.total_blocks if stats.total_blocks else 0.0
@@ -47,6 +52,15 @@ class ReplicaMetrics:
             if now > before:
                 counter.inc(now - before)
         self._last = stats
+
+    def on_engine_loop(self, num_steps: int, step_seconds: float) -> None:
+        """The AsyncLLM loop's totals (steps, seconds in them) as counter increments."""
+        steps_before, seconds_before = self._last_loop
+        if num_steps > steps_before:
+            self.steps.inc(num_steps - steps_before)
+        if step_seconds > seconds_before:
+            self.busy.inc(step_seconds - seconds_before)
+        self._last_loop = (num_steps, step_seconds)
 
     def on_finished(self, output: RequestOutput) -> None:
         m = output.metrics

@@ -77,6 +77,7 @@ class EngineReplica:
         """
         stats = self.llm.engine.stats()  # plain counters: no engine lock, no wait on a running step
         self.metrics.on_stats(stats)
+        self.metrics.on_engine_loop(self.engine.num_steps, self.engine.step_seconds)
         free = stats.free_blocks + self._growable_blocks() - self._blocks_promised()
         return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: self._max_blocks(),
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,

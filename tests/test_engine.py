@@ -308,6 +308,23 @@ def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     assert metrics._last == llm.stats()
 
 
+def test_replica_metrics_count_engine_steps_and_busy_seconds(small_model):
+    pytest.importorskip("ray.serve")
+    from deployments.metrics import ReplicaMetrics
+
+    engine = ponytail.AsyncLLM(make_llm(small_model))
+    metrics = ReplicaMetrics("test")
+
+    async def run():
+        async for _ in engine.generate(random_prompts(1, seed=17)[0], GREEDY):
+            pass
+
+    asyncio.run(run())
+    assert engine.num_steps >= 12 and engine.step_seconds > 0  # a step per token at least
+    metrics.on_engine_loop(engine.num_steps, engine.step_seconds)
+    assert metrics._last_loop == (engine.num_steps, engine.step_seconds)
+
+
 def test_cuda_graph_batch_sizes_cover_every_batch():
     from ponytail.cuda_graphs import graph_batch_sizes
 
