@@ -172,10 +172,15 @@ class PagedKVCache:
         needed = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // self.storage.chunk_blocks))
         return max(0, self.num_chunks - needed)
 
+    @property
+    def _headroom_blocks(self) -> int:
+        """Free blocks maintain() keeps when it releases chunks."""
+        return self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks
+
     def seconds_until_release(self, now: float | None = None) -> float | None:
         """How long until maintain() would give spare chunks back (the count starts now if it had
         not started); None when no chunk is spare."""
-        if not self.spare_chunks(self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks):
+        if not self.spare_chunks(self._headroom_blocks):
             return None
         now = time.monotonic() if now is None else now
         if self._spare_since is None:
@@ -199,16 +204,11 @@ class PagedKVCache:
         if self.fragmentation >= self.config.defrag_threshold and self.fragmentation > 0:
             defrag = self.defragment()
         released = 0
-        keep = self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks
-        if added or not self.spare_chunks(keep):
-            self._spare_since = None
-        else:
-            now = time.monotonic() if now is None else now
-            if self._spare_since is None:
-                self._spare_since = now
-            if now - self._spare_since >= self.release_after_s:
-                released = self.shrink(keep_free_blocks=keep)
-                self._spare_since = None
+        wait = None if added else self.seconds_until_release(now)
+        if wait == 0:
+            released = self.shrink(keep_free_blocks=self._headroom_blocks)
+        if wait is None or released:
+            self._spare_since = None  # nothing spare (or no longer): the next spare spell counts from 0
         return MaintenanceReport(chunks_added=added, defrag=defrag, chunks_released=released)
 
     def stats(self) -> CacheStats:
