@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from timing import median_ms, tbps
 
 from ponytail import CacheConfig, PagedKVCache
-from ponytail import paged_attention as pa
-from ponytail.chunk_attention import attention_over_new_tokens, equal_length_runs
+from ponytail.attention import decode as decode_kernel, prefill_cupy, torch_fallback
+from ponytail.attention.paged import paged_attention, paged_attention_varlen
+from ponytail.attention.chunks import attention_over_new_tokens, equal_length_runs
 
 MAX_REL_ERROR = 2e-2
 REPS = 5  # decode calls per timed sample
@@ -55,7 +56,7 @@ def make_paged(batch, kv_heads, head_dim, context, dtype, device, block_size=16,
 def contiguous_kv(cache, tables, seq_lens):
     """The same K/V as [B, kv_heads, L, D] tensors: exact copies (the gather kernel on a GPU,
     tested bit for bit against the fallback's; the fallback gather on the CPU)."""
-    gather = pa._gather_cupy if cache.storage.device.type == "cuda" else pa._gather_torch
+    gather = prefill_cupy.gather_padded if cache.storage.device.type == "cuda" else torch_fallback.gather_torch
     return gather(cache.storage, 0, tables, seq_lens)
 
 
@@ -82,7 +83,7 @@ def rel_error(out, ref) -> float:
 
 
 def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters, launch_sets) -> list[dict]:
-    """One result per launch set (overrides of paged_attention._LAUNCH) on the same data."""
+    """One result per launch set (overrides of attention.decode_kernel.LAUNCH) on the same data."""
     cache, tables, seq_lens = make_paged(batch, kv_heads, head_dim, context, dtype, device)
     k, v = contiguous_kv(cache, tables, seq_lens)
     query = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
@@ -92,7 +93,7 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
     name = f"decode B={batch} Hq={heads} Hkv={kv_heads} D={head_dim} ctx={context}"
 
     def ours():
-        return pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+        return paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
 
     def sdpa():
         return F.scaled_dot_product_attention(query, k, v, scale=scale, **gqa)
@@ -101,8 +102,8 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
     sdpa_ms = device_ms(sdpa, iters, device)
     results = []
     for launch in launch_sets:
-        saved = dict(pa._LAUNCH)
-        pa._LAUNCH.update(launch)
+        saved = dict(decode_kernel.LAUNCH)
+        decode_kernel.LAUNCH.update(launch)
         try:
             err = rel_error(ours(), expected)
             if err > MAX_REL_ERROR:
@@ -111,11 +112,11 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
             eager_ms = median_ms(ours, iters=iters, reps=REPS, device=device)
             plan = None
             if device.type == "cuda":  # the launch layout used, for the table
-                p = pa.decode_plan(cache.storage, batch, heads, tables.shape[1])
-                plan = f"{p.kernel_name.rsplit('_', 1)[1]} w{pa._LAUNCH['decode_warps']} splits={p.splits}"
+                p = decode_kernel.decode_plan(cache.storage, batch, heads, tables.shape[1])
+                plan = f"{p.kernel_name.rsplit('_', 1)[1]} w{decode_kernel.LAUNCH['decode_warps']} splits={p.splits}"
         finally:
-            pa._LAUNCH.clear()
-            pa._LAUNCH.update(saved)
+            decode_kernel.LAUNCH.clear()
+            decode_kernel.LAUNCH.update(saved)
         results.append({"case": name, "kind": "decode", "launch": launch, "plan": plan, "kv_bytes": kv_bytes,
                         "rel_error": err, "ponytail_ms": ours_ms, "ponytail_eager_ms": eager_ms, "sdpa_ms": sdpa_ms,
                         "ponytail_tbps": tbps(kv_bytes, ours_ms), "sdpa_tbps": tbps(kv_bytes, sdpa_ms),
@@ -153,7 +154,7 @@ def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device,
             return out.view(batch, new, heads, head_dim)
     else:
         def ours():  # [B, Hq, T, D], a transposed view of [B, T, Hq, D]: the layout is free
-            out = pa.paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
+            out = paged_attention(cache.storage, 0, query, tables, seq_lens, None, scale)
             return out.transpose(1, 2).contiguous()
 
     # Both sides hand over what the model's output projection reads, [B, T, Hq, D] contiguous;
@@ -183,12 +184,12 @@ def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device,
 
 
 def parse_launch(text: str) -> dict:
-    """"key=value,key=value" -> overrides of paged_attention._LAUNCH."""
+    """"key=value,key=value" -> overrides of attention.decode_kernel.LAUNCH."""
     out = {}
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
-        if key not in pa._LAUNCH:
-            raise SystemExit(f"--launch {item}: unknown key; known: {', '.join(pa._LAUNCH)}")
+        if key not in decode_kernel.LAUNCH:
+            raise SystemExit(f"--launch {item}: unknown key; known: {', '.join(decode_kernel.LAUNCH)}")
         out[key] = int(value)
     return out
 
@@ -199,7 +200,7 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--launch", action="append", default=[], metavar="K=V,K=V",
-                        help="time decode again with these paged_attention._LAUNCH overrides "
+                        help="time decode again with these attention.decode_kernel.LAUNCH overrides "
                              "(repeatable: one set each; the defaults always run first)")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--decode-only", action="store_true")
@@ -231,7 +232,7 @@ def main() -> int:
                 torch.cuda.empty_cache() if device.type == "cuda" else None
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "kernels": os.environ.get("PONYTAIL_KERNELS", "auto"),
-           "launch": dict(pa._LAUNCH)}
+           "launch": dict(decode_kernel.LAUNCH)}
     print(f"\n{env}")
     print(f"{'decode case':44s} {'launch':26s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'rel err':>8s} "
           f"{'eager':>10s}")

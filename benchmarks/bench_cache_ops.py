@@ -21,7 +21,7 @@ import torch
 from timing import median_ms, tbps
 
 from ponytail import CacheConfig, PagedKVCache
-from ponytail import cache_ops
+from ponytail.kv import cache_ops
 
 REPS = 10  # calls per timed sample: steady-state throughput
 

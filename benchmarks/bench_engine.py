@@ -34,8 +34,8 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
-from ponytail.compile import restore_decoder_layers
-from ponytail.units import format_bytes, parse_bytes
+from ponytail.runner.compile import restore_decoder_layers
+from ponytail.utils.units import format_bytes, parse_bytes
 
 
 def seven_b_model(device) -> torch.nn.Module:

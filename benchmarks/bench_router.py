@@ -221,7 +221,7 @@ def main() -> int:
         engine = dict(device="cuda", max_num_seqs=64)
         gaps = args.gaps or [1.0]
     assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
-    model_dir = args.model or str(ponytail.model_loader.default_checkpoint())
+    model_dir = args.model or str(ponytail.models.loader.default_checkpoint())
     budget = kv_budget(model_dir, engine["device"], args.long_per_replica, sizes)
     engine.update(model=args.model, model_id=MODEL, kv_cache_memory=budget["bytes"],
                   max_model_len=sizes["max_model_len"])

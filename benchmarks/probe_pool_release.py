@@ -25,7 +25,7 @@ import time
 
 import ponytail
 from ponytail import SamplingParams
-from ponytail.paged_cache import PagedKVCache
+from ponytail.kv.paged_cache import PagedKVCache
 
 TIMED = ("grow", "shrink", "defragment")
 
@@ -119,7 +119,7 @@ def _bytes_per_token(model, device) -> int:
     """KV bytes per token of the checkpoint in the engine's dtype there (bf16 on CUDA, fp32 on the CPU)."""
     from transformers import AutoConfig
 
-    path = model or str(ponytail.model_loader.default_checkpoint())
+    path = model or str(ponytail.models.loader.default_checkpoint())
     config = ponytail.CacheConfig.from_model(AutoConfig.from_pretrained(path, local_files_only=True),
                                              max_seq_len=4224, block_size=16, device="cpu")
     return dataclasses.replace(config, dtype="bf16" if device == "cuda" else "fp32").bytes_per_token

@@ -33,7 +33,7 @@ def export_files(target: str | Path, source: str | Path | None = None) -> list[P
     source: a checkpoint directory; None: the converted default model (converted first if needed).
     """
     if source is None:
-        from ponytail.model_loader import default_checkpoint
+        from ponytail.models.loader import default_checkpoint
 
         source = default_checkpoint()
     source, target = Path(source), Path(target)

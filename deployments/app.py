@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ponytail.units import is_seconds
+from ponytail.utils.units import is_seconds
 
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo

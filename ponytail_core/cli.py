@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-from .config import CacheConfig
+from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
-from .estimate import KVEstimate, estimate_from_config, estimate_kv_cache
+from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
 
 # --flag -> estimate_kv_cache argument, for the shape flags --model can stand in for.
 _SHAPE_FLAGS = {

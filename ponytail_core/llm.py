@@ -8,13 +8,13 @@ from typing import Any
 
 import torch
 
-from .config import CacheConfig
+from .kv.config import CacheConfig
 from .errors import ConfigError
-from .llm_engine import EngineStats, LLMEngine
-from .model_loader import load_model
-from .request import RequestOutput
-from .sampling_params import SamplingParams
-from .units import format_bytes, is_seconds, parse_bytes
+from .engine.llm_engine import EngineStats, LLMEngine
+from .models.loader import load_model
+from .engine.request import RequestOutput
+from .sampling.params import SamplingParams
+from .utils.units import format_bytes, is_seconds, parse_bytes
 
 logger = logging.getLogger("ponytail.engine")
 

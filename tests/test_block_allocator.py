@@ -4,8 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ponytail.block_allocator as block_allocator
-from ponytail.block_allocator import BlockAllocator, NoRoom
+import ponytail.kv.block_allocator as block_allocator
+from ponytail.kv.block_allocator import BlockAllocator, NoRoom
 
 
 def refs(alloc: BlockAllocator) -> list[int]:

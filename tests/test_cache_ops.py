@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ponytail import CacheConfig, ConfigError, KernelError, PagedKVCache
-from ponytail import cache_ops, kernel_loader
+from ponytail.kernels import loader as kernel_loader
+from ponytail.kv import cache_ops
 
 
 @pytest.fixture

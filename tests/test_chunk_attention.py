@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ponytail import chunk_attention
-from ponytail.chunk_attention import ChunkRun, SdpaShapes, attention_over_new_tokens, equal_length_runs
+from ponytail.attention import chunks as chunk_attention
+from ponytail.attention.chunks import ChunkRun, SdpaShapes, attention_over_new_tokens, equal_length_runs
 
 
 def engine_layout(lengths, heads, kv_heads, head_dim, dtype, device, seed=0):

@@ -15,7 +15,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from ponytail.config import CacheConfig
+from ponytail.kv.config import CacheConfig
 from ponytail.errors import ConfigError
 
 SMALL = dict(num_layers=2, num_kv_heads=4, head_dim=8, dtype="float16", max_batch_size=3,

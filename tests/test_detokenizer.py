@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from ponytail.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
-from ponytail.sampling_params import SamplingParams
+from ponytail.engine.detokenizer import CONTEXT_TOKENS, IncrementalDetokenizer
+from ponytail.sampling.params import SamplingParams
 
 SMOLLM2 = Path("/root/.cache/ponytail/models/smollm2-135m-instruct")
 TEXT = "Héllo wörld, 中文 text 🙂👍🏽 and café. The end is near; STOP here or not."

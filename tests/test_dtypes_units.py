@@ -5,9 +5,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ponytail.dtypes import dtype_name, dtype_size, resolve_dtype
+from ponytail.utils.dtypes import dtype_name, dtype_size, resolve_dtype
 from ponytail.errors import ConfigError
-from ponytail.units import format_bytes, format_bytes_binary, parse_bytes
+from ponytail.utils.units import format_bytes, format_bytes_binary, parse_bytes
 
 ALLOWED = "allowed: bfloat16, float16, float32 (aliases: bf16, fp16, half, fp32, float)"
 

@@ -326,7 +326,7 @@ def test_replica_metrics_count_engine_steps_and_busy_seconds(small_model):
 
 
 def test_cuda_graph_batch_sizes_cover_every_batch():
-    from ponytail.cuda_graphs import graph_batch_sizes
+    from ponytail.runner.cuda_graphs import graph_batch_sizes
 
     assert graph_batch_sizes(1) == [1]
     assert graph_batch_sizes(6) == [1, 2, 4, 6]
@@ -341,7 +341,7 @@ def test_cuda_graphs_on_a_cpu_model_is_a_clear_error(small_model):
 
 
 def test_token_slice_matches_all_token_ids():
-    from ponytail.request import Request
+    from ponytail.engine.request import Request
 
     request = Request(request_id="r", prompt=None, prompt_token_ids=[1, 2, 3], params=SamplingParams(),
                       eos_token_ids=frozenset(), output_token_ids=[4, 5])
@@ -355,7 +355,7 @@ def test_token_slice_matches_all_token_ids():
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
 def test_compiled_decoder_layers_keep_greedy_output(small_model):
-    from ponytail.compile import restore_decoder_layers
+    from ponytail.runner.compile import restore_decoder_layers
 
     model, tokenizer = small_model
     rng = random.Random(5)
@@ -373,7 +373,7 @@ def test_compiled_decoder_layers_keep_greedy_output(small_model):
 
 
 def test_compile_model_names_what_it_needs():
-    from ponytail.compile import decoder_layers
+    from ponytail.runner.compile import decoder_layers
 
     with pytest.raises(ConfigError, match="compile_model=True needs a decoder with a `layers` list; Linear"):
         decoder_layers(torch.nn.Linear(2, 2))

@@ -5,9 +5,9 @@ import dataclasses
 import pytest
 import torch
 
-from ponytail.config import CacheConfig
+from ponytail.kv.config import CacheConfig
 from ponytail.errors import ConfigError
-from ponytail.estimate import KVEstimate, describe_bytes, estimate_from_config, estimate_kv_cache
+from ponytail.kv.estimate import KVEstimate, describe_bytes, estimate_from_config, estimate_kv_cache
 
 LLAMA_7B = dict(num_layers=32, num_kv_heads=32, head_dim=128, dtype="float16")
 

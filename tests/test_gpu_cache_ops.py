@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ponytail import CacheConfig, PagedKVCache
-from ponytail import cache_ops, kernel_loader
+from ponytail.kernels import loader as kernel_loader
+from ponytail.kv import cache_ops
 from cache_machine import bits, kernels
 
 pytestmark = pytest.mark.gpu

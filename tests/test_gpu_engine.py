@@ -74,7 +74,7 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch):
 
 def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch):
     """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32."""
-    from ponytail.compile import restore_decoder_layers
+    from ponytail.runner.compile import restore_decoder_layers
 
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
     model = small_model()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ponytail import CacheConfig, PagedKVCache
-from ponytail import paged_attention as pa
+from ponytail.attention import decode, prefill_cupy, torch_fallback
+from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from cache_machine import kernels
 
 pytestmark = pytest.mark.gpu
@@ -94,16 +95,16 @@ def run_case(lengths, kv_heads, group, head_dim, dtype, positions=1, query_lens=
     if query_lens is not None:
         query_lens = torch.tensor(query_lens, dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(head_dim)
-    old = dict(pa._LAUNCH)
-    pa._LAUNCH.update(launch or {})
+    old = dict(decode.LAUNCH)
+    decode.LAUNCH.update(launch or {})
     try:
         poisoned = poison_like(query.shape, dtype)
         with kernels("cupy"):
-            out = pa.paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
+            out = paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
         torch.cuda.synchronize()
     finally:
-        pa._LAUNCH.clear()
-        pa._LAUNCH.update(old)
+        decode.LAUNCH.clear()
+        decode.LAUNCH.update(old)
     ref = reference(storage, layer, query, tables, seq_lens, query_lens, scale)
     err = rel(out, ref)
     max_abs = (out.double() - ref).abs().max().item()
@@ -113,7 +114,7 @@ def run_case(lengths, kv_heads, group, head_dim, dtype, positions=1, query_lens=
             f"poison_landed={out.data_ptr() == poisoned}")
     if compare_fallback:
         with kernels("torch"):
-            fallback = pa.paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
+            fallback = paged_attention(storage, layer, query, tables, seq_lens, query_lens, scale)
         line += f" vs_fallback={rel(out, fallback.double()):.2e} fallback_vs_ref={rel(fallback, ref):.2e}"
     print(line, end="")
     assert nans == 0, f"{nans} output elements never written:{line}"
@@ -163,19 +164,19 @@ def test_decode_block_sizes(block_size):
 def test_decode_can_be_captured_in_a_cuda_graph():
     storage, tables, seq_lens = make_batch([40, 3000, 0], kv_heads=2, head_dim=128, dtype=torch.bfloat16)
     query = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
-    eager = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    eager = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+        paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+        captured = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     query.copy_(torch.randn_like(query))
     graph.replay()
     torch.cuda.synchronize()
-    expected = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+    expected = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     print(f"\n  graph replay vs eager: rel={rel(captured, expected.double()):.2e}", end="")
     assert torch.equal(captured, expected) and not torch.equal(captured, eager)
 
@@ -201,8 +202,8 @@ def test_prefill_other_head_sizes(head_dim):
 
 def test_gather_matches_the_fallback_gather_bit_for_bit():
     storage, tables, seq_lens = make_batch([5, 300, 0, 64], kv_heads=4, head_dim=96, dtype=torch.float16)
-    k, v = pa._gather_cupy(storage, 1, tables, seq_lens)
-    k_ref, v_ref = pa._gather_torch(storage, 1, tables, seq_lens)
+    k, v = prefill_cupy.gather_padded(storage, 1, tables, seq_lens)
+    k_ref, v_ref = torch_fallback.gather_torch(storage, 1, tables, seq_lens)
     assert torch.equal(k.view(torch.int16), k_ref.view(torch.int16))
     assert torch.equal(v.view(torch.int16), v_ref.view(torch.int16))
 
@@ -211,7 +212,7 @@ def test_decode_uses_the_custom_kernel_and_logs_it(caplog):
     storage, tables, seq_lens = make_batch([40], kv_heads=1, head_dim=128, dtype=torch.bfloat16)
     query = torch.randn(1, 2, 1, 128, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
-        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+        paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     assert any("paged_attention decode: custom kernel" in r.getMessage() for r in caplog.records)
 
 
@@ -219,7 +220,7 @@ def test_unsupported_head_size_falls_back_with_a_logged_reason(caplog):
     storage, tables, seq_lens = make_batch([40, 3], kv_heads=1, head_dim=72, dtype=torch.bfloat16)
     query = torch.randn(2, 2, 1, 72, device="cuda", dtype=torch.bfloat16)
     with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
-        out = pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+        out = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     ref = reference(storage, 0, query, tables, seq_lens, None, 0.1)
     assert rel(out, ref) < TOLERANCE[torch.bfloat16]
     assert any("head_dim=72 has no decode kernel" in r.getMessage() for r in caplog.records)
@@ -244,7 +245,7 @@ def test_varlen_packed_rows_match_the_reference(dtype, group, caplog):
     cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
     scale = 1 / math.sqrt(128)
     with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
-        out = pa.paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale)
+        out = paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale)
     ref = reference(storage, 1, query, tables, seq_lens, torch.tensor(counts, device="cuda"), scale)
     ref = torch.cat([ref[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
     err = rel(out, ref)
@@ -258,8 +259,8 @@ def test_packed_gather_matches_the_fallback_gather_bit_for_bit():
     lengths = [5, 300, 0, 64]
     storage, tables, seq_lens = make_batch(lengths, kv_heads=4, head_dim=96, dtype=torch.float16)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
-    k, v = pa._gather_packed_cupy(storage, 1, tables, seq_lens, cu, capacity=sum(lengths))
-    k_ref, v_ref = pa._gather_torch(storage, 1, tables, seq_lens)  # [B, H, L, D]
+    k, v = prefill_cupy.gather_packed(storage, 1, tables, seq_lens, cu, capacity=sum(lengths))
+    k_ref, v_ref = torch_fallback.gather_torch(storage, 1, tables, seq_lens)  # [B, H, L, D]
     for got, want in ((k, k_ref), (v, v_ref)):
         rows = torch.cat([want[b, :, :n].transpose(0, 1) for b, n in enumerate(lengths)])
         assert torch.equal(got[: sum(lengths)].view(torch.int16), rows.view(torch.int16))
@@ -269,5 +270,5 @@ def test_fp32_prefill_says_why_it_cannot_use_flash(caplog):
     storage, tables, seq_lens = make_batch([40, 3], kv_heads=1, head_dim=64, dtype=torch.float32)
     query = torch.randn(2, 2, 3, 64, device="cuda")
     with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
-        pa.paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
+        paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     assert any("masked SDPA: flash attention takes fp16/bf16" in r.getMessage() for r in caplog.records)

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from ponytail import model_loader
+from ponytail.models import loader as model_loader
 from ponytail.errors import ConfigError, PonytailError
-from ponytail.model_loader import MARKER_FILE, default_checkpoint, load_model
+from ponytail.models.loader import MARKER_FILE, default_checkpoint, load_model
 
 network = pytest.mark.network
 

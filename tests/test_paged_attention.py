@@ -16,8 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ponytail import CacheConfig, KernelError, PagedKVCache
-from ponytail import kernel_loader
-from ponytail.paged_attention import _decode_choice, paged_attention, paged_attention_varlen, plan_splits
+from ponytail.kernels import loader as kernel_loader
+from ponytail.attention.decode import decode_choice, plan_splits
+from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from cache_machine import kernels
 
 LAYERS = 2
@@ -290,12 +291,12 @@ def test_entries_past_a_rows_blocks_are_ignored(small):
 
 def test_unsupported_head_size_is_a_logged_fallback_not_a_silent_one(monkeypatch, caplog):
     custom = kernel_loader.KernelChoice(True, "CuPy RawModule on cuda:0")
-    assert _decode_choice(custom, 128) is custom
-    choice = _decode_choice(custom, 72)
+    assert decode_choice(custom, 128) is custom
+    choice = decode_choice(custom, 72)
     assert not choice.use_custom and "head_dim=72 has no decode kernel" in choice.reason
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
     with pytest.raises(KernelError, match="PONYTAIL_KERNELS=cupy but head_dim=72 has no decode kernel"):
-        _decode_choice(custom, 72)
+        decode_choice(custom, 72)
     monkeypatch.setenv("PONYTAIL_KERNELS", "auto")
     batch = Batch([5], kv_heads=1, head_dim=72, seed=12)  # any head size works in the fallback
     with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):

@@ -5,14 +5,14 @@ import math
 import pytest
 import torch
 
-from ponytail.sampler import (
+from ponytail.sampling.sampler import (
     SamplingBatch,
     apply_filters,
     apply_penalties,
     request_generator,
     sample,
 )
-from ponytail.sampling_params import SamplingParams as SP
+from ponytail.sampling.params import SamplingParams as SP
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ponytail.errors import ConfigError
-from ponytail.sampling_params import SamplingParams
+from ponytail.sampling.params import SamplingParams
 
 
 def error(**kwargs) -> str:

@@ -1,0 +1,224 @@
+"""An asyncio front for the engine, for servers: add a request, iterate over its deltas, abort.
+
+One background task drives the engine; each step runs in a worker thread so the event loop stays
+responsive while the device works. The event loop never waits for a step: new requests, aborts
+and clean-ups are handed over through thread-safe deques and applied by the worker between steps.
+Requests are checked (and refused with ConfigError) on the caller's side before they are queued.
+With async scheduling (the default on CUDA) a step hands back the previous step's deltas while the
+new one runs on the device; an abort between steps drops the token still being sampled. A consumer
+that falls behind gets what waits for it as one delta (as vLLM's output collector merges them), so
+a slow stream costs one hand-over per read, not one per token. With `stream_interval_s` a stream
+also waits that long after each delta but the first, so a server hands its transport (Ray, HTTP)
+one message per interval instead of one per token (Ray Serve LLM batches every 50 ms the same
+way); the first token and the finished delta are never held back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from .errors import ConfigError
+from .llm import LLM
+from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.request import Request, RequestOutput
+from .sampling.params import SamplingParams
+from .utils.units import is_seconds
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """What a request produced since the last delta; `output` is the cumulative view."""
+
+    request_id: str
+    delta_text: str
+    new_token_ids: list[int]
+    finished: bool
+    output: RequestOutput
+
+    def merged_with(self, later: RequestDelta) -> RequestDelta:
+        """This delta followed by a later one of the same request, as one."""
+        return RequestDelta(self.request_id, self.delta_text + later.delta_text,
+                            self.new_token_ids + later.new_token_ids, later.finished, later.output)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """One request's deliveries. `wake` ends a stream's wait between deltas early: set once what
+    ends the request (a finished delta or an error) is queued, or by the wait's own timer."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+
+    def put(self, item: RequestDelta | BaseException) -> None:
+        self.queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self.ended = True
+            self.wake.set()
+
+    async def wait_until(self, deadline: float) -> None:
+        """Until the loop's clock reaches `deadline`, or at once when the request has ended."""
+        loop = asyncio.get_running_loop()
+        if self.ended or deadline <= loop.time():
+            return
+        self.wake.clear()
+        timer = loop.call_at(deadline, self.wake.set)
+        try:
+            await self.wake.wait()
+        finally:
+            timer.cancel()
+
+
+class AsyncLLM:
+    def __init__(self, llm: LLM | LLMEngine, stream_interval_s: float = 0.0):
+        if not is_seconds(stream_interval_s):
+            raise ConfigError(f"stream_interval_s={stream_interval_s!r} is not supported; allowed: seconds >= 0 "
+                              "(0: a delta per engine step)")
+        self.engine = llm.engine if isinstance(llm, LLM) else llm
+        self.stream_interval_s = float(stream_interval_s)
+        self._incoming: deque[Request] = deque()  # prepared on the loop, enqueued by the worker
+        self._aborts: deque[str] = deque()
+        self._forget: deque[str] = deque()
+        self._streams: dict[str, _Stream] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self.num_steps = 0  # engine steps driven so far
+        self.step_seconds = 0.0  # their time in the worker thread: with the wall clock, how busy the engine is
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
+        """Add a request and yield its deltas as they come; aborts it if the consumer stops early."""
+        request = self.engine.prepare_request(prompt, params, request_id)
+        if request.request_id in self._streams:
+            raise ConfigError(f"request_id={request.request_id!r} is already in use")
+        stream = _Stream()
+        queue = stream.queue
+        self._streams[request.request_id] = stream
+        self._incoming.append(request)
+        self._ensure_loop()
+        finished = False
+        error: BaseException | None = None  # met while merging: raised after the merged delta
+        last_yield: float | None = None
+        try:
+            while not finished:
+                if error is not None:
+                    raise error
+                if last_yield is not None and self.stream_interval_s:
+                    await stream.wait_until(last_yield + self.stream_interval_s)
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                while not item.finished and not queue.empty():  # the consumer fell behind
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException):
+                        error = later
+                        break
+                    item = item.merged_with(later)
+                finished = item.finished
+                yield item
+                last_yield = asyncio.get_running_loop().time()
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:
+                self._aborts.append(request.request_id)
+            self._forget.append(request.request_id)
+            try:
+                self._ensure_loop()
+            except RuntimeError:  # the event loop is shutting down: nothing more to drive
+                pass
+
+    async def abort(self, request_id: str) -> bool:
+        """Ask for a request to stop; its stream ends with a finished delta (reason "abort")."""
+        if request_id not in self._streams:
+            return False
+        self._aborts.append(request_id)
+        self._ensure_loop()
+        return True
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()  # counters only: safe to read while a step runs
+
+    # ------------------------------------------------------------ the loop
+    def _ensure_loop(self) -> None:
+        if self._wakeup is None:
+            self._wakeup = asyncio.Event()
+        self._wakeup.set()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _idle(self) -> None:
+        """Wait for work. With KV memory to spare, maintain the pool when the cache's release
+        delay is up, so an idle server gives that memory back (no step runs to do it)."""
+        delay = self.engine.cache.seconds_until_release()
+        if delay is None:
+            await self._wakeup.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wakeup.wait(), timeout=delay + 0.01)
+        except asyncio.TimeoutError:
+            if not self._has_work():
+                await asyncio.to_thread(self.engine.maintain)
+
+    def _has_work(self) -> bool:
+        return bool(self._incoming or self._aborts or self._forget) or self.engine.has_unfinished()
+
+    def _step(self):
+        """Worker thread: apply hand-overs, then one engine step. Returns what to deliver."""
+        start = time.perf_counter()
+        try:
+            return self._step_untimed()
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - start
+
+    def _step_untimed(self):
+        engine = self.engine
+        delivered, failed = [], []
+        while self._incoming:
+            request = self._incoming.popleft()
+            try:
+                engine.enqueue(request)
+            except Exception as exc:
+                failed.append((request.request_id, exc))
+        while self._aborts:
+            request_id = self._aborts.popleft()
+            if engine.abort(request_id):
+                request = engine.requests[request_id]
+                delivered.append(RequestDelta(request_id, "", [], True, engine.output(request)))
+        while self._forget:
+            request_id = self._forget.popleft()
+            request = engine.requests.get(request_id)
+            if request is not None and request.finished:
+                engine.forget(request_id)
+        for out in engine.step():
+            delivered.append(RequestDelta(out.request.request_id, out.delta_text, out.new_token_ids, out.finished,
+                                          engine.output(out.request)))
+        return delivered, failed
+
+    async def _run(self) -> None:
+        while True:
+            if not self._has_work():
+                self._wakeup.clear()
+                if self._has_work():  # a hand-over raced with the clear
+                    continue
+                await self._idle()
+                continue
+            try:
+                delivered, failed = await asyncio.to_thread(self._step)
+            except Exception as exc:  # a failed step fails its requests, not the server
+                for request_id, stream in list(self._streams.items()):
+                    stream.put(exc)
+                    self._aborts.append(request_id)
+                continue
+            for request_id, exc in failed:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    stream.put(exc)
+            for delta in delivered:
+                stream = self._streams.get(delta.request_id)
+                if stream is not None:
+                    stream.put(delta)

@@ -1,0 +1,189 @@
+"""Paged decode on CUDA: one query position per row, the split-KV CuPy kernel and its launch plan.
+
+The grid is (splits, kv_heads * groups, batch): each CTA streams one piece of a row's sequence for
+up to `max_heads_per_cta` query heads sharing a KV head; with several splits a reduce kernel
+merges the pieces' partial softmaxes. `plan_splits` picks the split count from the device's
+resident CTAs (the driver's occupancy calculator).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import KernelError
+from ..kernels import loader as kernel_loader
+from ..kv.storage import PagedKVStorage
+
+SOURCE = "paged_attention.cu"
+DECODE_HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in paged_attention.cu
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+_LOG2E = 1.4426950408889634
+
+# Launch tunables, read by the launches below and nowhere else.
+LAUNCH = {
+    "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
+    # The next three are compiled into the kernel names (..._l4s3v1); paged_attention.cu ships
+    # l4s3v1 for every group, plus tuning variants for bf16 / head_dim 128 (l4s4v1, l8s3v1, l4s4v2).
+    # On an H200, l4s3 (52 KiB of shared memory: 4 CTAs per SM) beat l4s4 (3 CTAs) by 5-20%.
+    "decode_loads": 4,  # 16-byte K (and V) vectors per lane per step
+    "decode_stages_g1": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight),
+    "decode_stages_g2": 3,  # by query heads per CTA
+    "decode_stages_g4": 3,
+    "decode_stages_g8": 3,
+    "decode_row_vectors": 1,  # 16-byte vectors of a K/V row per lane (2: fewer shuffles, more registers)
+    "max_heads_per_cta": 8,  # query heads sharing one KV head in one CTA: 1, 2, 4 or 8
+    "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
+    "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
+    "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
+}
+
+
+
+
+def decode_choice(choice: kernel_loader.KernelChoice, head_dim: int) -> kernel_loader.KernelChoice:
+    if not choice.use_custom or head_dim in DECODE_HEAD_DIMS:
+        return choice
+    reason = f"head_dim={head_dim} has no decode kernel (kernels: {', '.join(map(str, DECODE_HEAD_DIMS))})"
+    if kernel_loader.kernel_mode() == "cupy":
+        raise KernelError(f"{kernel_loader.KERNELS_ENV}=cupy but {reason}")
+    return kernel_loader.KernelChoice(False, reason)
+
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _decode_smem(split_blocks: int, group: int, head_dim: int, stages: int) -> int:
+    """Dynamic shared memory of one decode CTA; the layout is the kernel's."""
+    warps = LAUNCH["decode_warps"]
+    table = (split_blocks * 8 + 15) // 16 * 16
+    rings = warps * stages * 2 * LAUNCH["decode_loads"] * 32 * 16
+    merge = warps * group * (2 + head_dim) * 4  # reuses the rings after the main loop
+    return table + max(rings, merge)
+
+
+_smem_allowed: dict[tuple[str, int], int] = {}
+
+
+def _allow_smem(kernel, name: str, device: torch.device, num_bytes: int) -> None:
+    """Raise the kernel's dynamic shared-memory limit (48 KiB by default) to num_bytes."""
+    key = (name, device.index)
+    if _smem_allowed.get(key, 0) >= num_bytes:
+        return
+    import cupy
+
+    with cupy.cuda.Device(device.index):
+        kernel.max_dynamic_shared_size_bytes = num_bytes  # a CuPy RawKernel attribute
+    _smem_allowed[key] = num_bytes
+
+
+@functools.cache
+def _resident_ctas_per_sm(kernel, name: str, device_index: int, threads: int, smem: int) -> int:
+    """CTAs of this kernel one SM holds at once (the driver's occupancy calculator)."""
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        return max(1, cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(
+            kernel.kernel.ptr, threads, smem))
+
+
+def plan_splits(base_ctas: int, max_tokens: int, block_size: int, resident_ctas: int) -> tuple[int, int]:
+    """(splits, split_tokens) for a decode grid of base_ctas CTAs per split.
+
+    The grid runs in waves of resident_ctas CTAs, each wave as long as one split, so the time
+    goes as waves * (split_tokens + split_overhead_tokens): pick the split count minimizing that,
+    between the fewest splits whose block table fits shared memory and pieces of
+    min_split_tokens. split_tokens is a multiple of block_size.
+    """
+    return _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, LAUNCH["max_split_blocks"],
+                        LAUNCH["min_split_tokens"], LAUNCH["split_overhead_tokens"])
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blocks, min_split_tokens,
+                 overhead_tokens) -> tuple[int, int]:
+    if max_tokens == 0:
+        return 1, block_size
+    fewest = -(-max_tokens // (max_split_blocks * block_size))
+    most = max(fewest, max_tokens // max(min_split_tokens, 1))
+    best = None
+    for splits in range(fewest, most + 1):
+        split_tokens = -(-(-(-max_tokens // splits)) // block_size) * block_size
+        used = -(-max_tokens // split_tokens)
+        waves = -(-base_ctas * used // resident_ctas)
+        cost = waves * (split_tokens + overhead_tokens)
+        if best is None or cost < best[0]:
+            best = (cost, used, split_tokens)
+    return best[1], best[2]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    kernel_name: str  # paged_decode_<dtype>_d<head_dim>_g<group>_l<loads>s<stages>v<row vectors>
+    group: int  # query heads per CTA (a power of two; heads past the GQA ratio idle)
+    groups: int  # CTAs per KV head along the grid's y axis
+    splits: int  # CTAs per row along the sequence (1: the kernel writes the output itself)
+    split_tokens: int  # tokens per split, a multiple of block_size
+    threads: int
+    smem_bytes: int  # dynamic shared memory of one CTA
+
+
+def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int) -> DecodePlan:
+    """How a decode launch is laid out for this cache, batch and block-table width."""
+    c = storage.config
+    group_size = heads // c.num_kv_heads
+    group = min(LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
+    groups = -(-group_size // group)
+    stages = LAUNCH[f"decode_stages_g{group}"]
+    name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
+            f"s{stages}v{LAUNCH['decode_row_vectors']}")
+    kernel = kernel_loader.get_kernel(SOURCE, name, storage.device)
+    threads = 32 * LAUNCH["decode_warps"]
+    largest = _decode_smem(LAUNCH["max_split_blocks"], group, c.head_dim, stages)
+    _allow_smem(kernel, name, storage.device, largest)
+    resident = _sm_count(storage.device.index) * _resident_ctas_per_sm(
+        kernel, name, storage.device.index, threads, largest)
+    splits, split_tokens = plan_splits(batch * c.num_kv_heads * groups, max_blocks * c.block_size,
+                                       c.block_size, resident)
+    return DecodePlan(name, group, groups, splits, split_tokens, threads,
+                      _decode_smem(split_tokens // c.block_size, group, c.head_dim, stages))
+
+
+def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    c = storage.config
+    batch, heads, _, head_dim = query.shape
+    device = storage.device
+    if head_dim > 1 and query.stride(-1) != 1:
+        query = query.contiguous()
+    plan = decode_plan(storage, batch, heads, block_tables.shape[1])
+    kernel = kernel_loader.get_kernel(SOURCE, plan.kernel_name, device)
+    max_tokens = block_tables.shape[1] * c.block_size
+    out = torch.empty((batch, heads, 1, head_dim), dtype=c.dtype, device=device)
+    ws_acc = ws_ml = None
+    if plan.splits > 1:
+        ws_acc = torch.empty((batch, heads, plan.splits, head_dim), dtype=torch.float32, device=device)
+        ws_ml = torch.empty((batch, heads, plan.splits, 2), dtype=torch.float32, device=device)
+    ptr = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
+    lengths = (ptr(seq_lens), ptr(query_lens))
+    with kernel_loader.on_torch_stream(device):
+        kernel((plan.splits, c.num_kv_heads * plan.groups, batch), (plan.threads,), (
+            ptr(query), np.int64(query.stride(0)), np.int64(query.stride(1)), ptr(out),
+            ptr(ws_acc), ptr(ws_ml), storage.cupy_chunk_ptrs, ptr(block_tables),
+            np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
+            np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
+            np.int32(storage.chunk_blocks), np.int32(storage.address_blocks), np.int32(layer),
+            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E)),
+            shared_mem=plan.smem_bytes)
+        if plan.splits > 1:
+            reduce = kernel_loader.get_kernel(
+                SOURCE, f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}", device)
+            reduce((heads, batch), (-(-head_dim // 32) * 32,), (
+                ptr(out), ptr(ws_acc), ptr(ws_ml), *lengths, np.int32(max_tokens),
+                np.int32(plan.split_tokens), np.int32(plan.splits)))
+    return out

@@ -1,0 +1,58 @@
+"""torch's flash attention (varlen, bottom-right causal, GQA): where it can run, and the call."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ..kv.storage import PagedKVStorage
+
+
+@functools.cache
+def _flash_problem(device_index: int) -> str | None:
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no flash attention"
+    if torch.cuda.get_device_capability(device_index) < (8, 0):
+        return "flash attention needs sm80 or newer"
+    return None
+
+
+def flash_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why torch's flash attention cannot run on these tensors (None: it can)."""
+    if device.type != "cuda":
+        return f"device is {device}, not CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash attention takes fp16/bf16, got {dtype}"
+    if head_dim % 8 or head_dim > 256:
+        return f"flash attention takes head_dim a multiple of 8 up to 256, got {head_dim}"
+    return _flash_problem(device.index)
+
+
+def flash_varlen_problem(storage: PagedKVStorage) -> str | None:
+    """Why the flash varlen prefill cannot run on this cache (None: it can)."""
+    return flash_problem(storage.device, storage.config.dtype, storage.config.head_dim)
+
+
+@functools.cache
+def _varlen_api():
+    """torch's public varlen_attn where it takes GQA and a causal window (torch >= 2.11), else None."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    params = inspect.signature(varlen_attn).parameters
+    return varlen_attn if {"enable_gqa", "window_size", "scale"} <= params.keys() else None
+
+
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
+    """Causal (bottom-right aligned) attention of packed rows; K/V heads may be fewer (GQA).
+    A query with no key to attend (its row has fewer keys than queries) comes out zero."""
+    api = _varlen_api()
+    if api is not None:
+        return api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    # Older torch: the same flash kernel through its aten op, which has taken GQA all along.
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                    scale=scale)[0]
+

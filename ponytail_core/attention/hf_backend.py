@@ -1,0 +1,53 @@
+"""Ponytail as a transformers attention implementation ("ponytail").
+
+Registered with transformers' `AttentionInterface` (the attention function) and
+`AttentionMaskInterface` (the mask it wants: the 2-D padding mask, or None without padding), so
+stock models use it without code changes once `model.set_attn_implementation("ponytail")` ran;
+`ponytail.create_cache(model=model)` does that.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
+
+from ..errors import ConfigError
+from ..plugin.cache import TAG
+
+ATTN_IMPLEMENTATION = "ponytail"
+
+
+def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: torch.Tensor | None,
+                               dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """query [B, Hq, T, D], key/value [B, Hkv, T, D] (this step's tokens only) -> [B, T, Hq, D]."""
+    owner = getattr(key, TAG, None)
+    if owner is None:
+        raise ConfigError("attn_implementation='ponytail' needs a Ponytail cache: pass "
+                          "cache=ponytail.create_cache(model=model, ...) to generate/forward")
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
+    cache, layer_idx = owner
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    try:
+        out = cache.attend(layer_idx, module, query, key, value, attention_mask, scale,
+                           kwargs.get("sliding_window"))
+    except BaseException:
+        cache.abandon_step()
+        raise
+    return out, None
+
+
+def register(for_compiled_models: bool = False) -> None:
+    """Make "ponytail" a valid attn_implementation (idempotent).
+
+    for_compiled_models: register it behind torch.compiler.disable, so a compiled model
+    (compile.py) breaks its graph at this call and runs Ponytail's kernels eagerly instead of
+    tracing into CuPy. Eager models keep the plain function (no wrapper in the hot path)."""
+    forward = torch.compiler.disable(ponytail_attention_forward) if for_compiled_models else ponytail_attention_forward
+    AttentionInterface.register(ATTN_IMPLEMENTATION, forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+
+
+register()

@@ -1,0 +1,112 @@
+"""Prefill attention over the paged cache on CUDA: CuPy gathers of each row's K/V, then flash or SDPA.
+
+Two gathers share one kernel shape (one CTA per (row, table entry)): `gather_padded` lays rows out
+as a dense [B, kv_heads, max_blocks * block_size, D] batch for masked SDPA (fp32, pre-sm80 GPUs),
+`gather_packed` lays them end to end for flash varlen (no padding, no mask tensor).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..kernels import loader as kernel_loader
+from ..kernels.launch import vector_width
+from ..kv.storage import PagedKVStorage
+from .flash import flash_varlen
+from .torch_fallback import allowed_keys
+
+SOURCE = "paged_attention.cu"
+LAUNCH = {"gather_threads": 256}  # threads of one gather CTA
+
+
+def _launch_gather(name: str, k: torch.Tensor, v: torch.Tensor, storage: PagedKVStorage, layer: int,
+                   block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_k: torch.Tensor | None) -> None:
+    """gather_kv_v<width> (padded) or gather_kv_packed_v<width> (cu_k given): same grid, same tail."""
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    if max_blocks == 0 or batch == 0:
+        return
+    row_bytes = c.head_dim * c.dtype_size
+    width = vector_width(row_bytes)
+    kernel = kernel_loader.get_kernel(SOURCE, f"{name}_v{width}", storage.device)
+    offsets = () if cu_k is None else (np.uint64(cu_k.data_ptr()),)
+    with kernel_loader.on_torch_stream(storage.device):
+        kernel((max_blocks, batch), (LAUNCH["gather_threads"],), (
+            np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
+            np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
+            np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(row_bytes // width),
+            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
+            np.int32(layer)))
+
+
+def gather_padded(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor):
+    """K and V of every row, [B, kv_heads, max_blocks * block_size, D] (past seq_lens: undefined)."""
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    k = torch.empty((batch, c.num_kv_heads, max_blocks * c.block_size, c.head_dim), dtype=c.dtype,
+                    device=storage.device)
+    v = torch.empty_like(k)
+    _launch_gather("gather_kv", k, v, storage, layer, block_tables, seq_lens, None)
+    return k, v
+
+
+def gather_packed(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                  cu_k: torch.Tensor, capacity: int):
+    """Every row's K and V end to end, [capacity, kv_heads, D]; row b at cu_k[b]."""
+    c = storage.config
+    k = torch.empty((max(capacity, 1), c.num_kv_heads, c.head_dim), dtype=c.dtype, device=storage.device)
+    v = torch.empty_like(k)
+    _launch_gather("gather_kv_packed", k, v, storage, layer, block_tables, seq_lens, cu_k)
+    return k, v
+
+
+def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    """[B, Hq, T, D] over a padded gather with an explicit mask (where flash cannot run)."""
+    batch, heads, positions, head_dim = query.shape
+    kv_heads = storage.config.num_kv_heads
+    group = heads // kv_heads
+    k, v = gather_padded(storage, layer, block_tables, seq_lens)
+    num_keys = k.shape[2]
+    allowed, has_key = allowed_keys(seq_lens, query_lens, positions, num_keys)
+    if num_keys == 0:
+        return torch.zeros_like(query)
+    # A position with nothing to attend gets key 0 (zeroed below) so SDPA never sees an empty row.
+    allowed[:, :, 0] |= ~has_key
+    # GQA without copying K/V: the G query heads of a KV head become G * T rows of one head.
+    q = query.reshape(batch, kv_heads, group * positions, head_dim)
+    mask = allowed[:, None, None].expand(batch, 1, group, positions, num_keys)
+    mask = mask.reshape(batch, 1, group * positions, num_keys)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    out = out.reshape(batch, heads, positions, head_dim)
+    return out.masked_fill(~has_key[:, None, :, None], 0)
+
+
+def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen.
+    The gather buffer is sized by the tables (an upper bound), so the host never waits for the
+    lengths; flash reads only each row's cu_k range."""
+    bs = storage.config.block_size
+    capacity = block_tables.shape[0] * block_tables.shape[1] * bs
+    cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    k, v = gather_packed(storage, layer, block_tables, seq_lens, cu_k, capacity)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale)
+
+
+def prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+    """The [B, Hq, T, D] entry point on the flash path: every row packed as T queries (the
+    bottom-right alignment puts padding positions where they belong); padding zeroed afterwards."""
+    batch, heads, positions, head_dim = query.shape
+    q = query.transpose(1, 2).reshape(batch * positions, heads, head_dim)
+    cu_q = torch.arange(0, (batch + 1) * positions, positions, dtype=torch.int32, device=query.device)
+    out = flash_over_cache(storage, layer, q, cu_q, positions, block_tables, seq_lens, scale)
+    out = out.view(batch, positions, heads, head_dim).transpose(1, 2)
+    if query_lens is None:  # flash already gives zeros where a position has no key
+        return out
+    j = torch.arange(positions, device=query.device)[None, :]
+    padding = j < positions - query_lens.long()[:, None]
+    return out.masked_fill(padding[:, None, :, None], 0)
+

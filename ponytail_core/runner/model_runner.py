@@ -1,0 +1,121 @@
+"""Runs one engine step through a stock transformers model: packed inputs in, logits out."""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import hf_backend as hf_attention
+from ..attention.chunks import SdpaShapes, equal_length_runs
+from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
+from ..kv.paged_cache import PagedKVCache
+from ..engine.scheduler import ScheduledChunk
+
+
+class ModelRunner:
+    """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
+    compile_model: torch.compile the decoder layers around the attention call (compile.py)."""
+
+    def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
+                 cuda_graphs: bool = False, compile_model: bool = False):
+        self.model = model
+        self.device = cache.config.device
+        model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+        if compile_model:
+            from .compile import compile_decoder_layers
+
+            compile_decoder_layers(model)  # before capture: the graphs record the fused kernels
+        self.hf_cache = PackedStepCache(cache)
+        self.block_size = cache.config.block_size
+        self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
+        self.graphs = None
+        if cuda_graphs:
+            from .cuda_graphs import DecodeGraphs
+
+            with torch.inference_mode():
+                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, -(-max_model_len // self.block_size))
+                self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
+        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order.
+
+        sampled: the previous step's sampled tokens, still on the device (async scheduling). A
+        chunk whose request has a pending_row ends with a placeholder; its input is
+        sampled[pending_row], gathered on the device (the host never waits for it).
+        """
+        decode = [c for c in chunks if c.num_tokens == 1]
+        prefill = [c for c in chunks if c.num_tokens > 1]
+        ordered = decode + prefill  # the packed layout PackedStepCache expects
+        offsets = {}
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        fill_at: list[int] = []  # packed positions whose token comes from `sampled`
+        fill_rows: list[int] = []  # ... and its row there
+        for chunk in ordered:
+            offsets[id(chunk)] = len(input_ids)
+            end = chunk.start + chunk.num_tokens
+            input_ids.extend(chunk.request.token_slice(chunk.start, end))
+            positions.extend(range(chunk.start, end))
+            slots.extend(chunk.slots)
+            if chunk.request.pending_row is not None and chunk.samples:
+                input_ids[-1] = 0  # the placeholder: the real token is on the device only
+                fill_at.append(len(input_ids) - 1)
+                fill_rows.append(chunk.request.pending_row)
+        fill = None
+        if fill_at:
+            if sampled is None:
+                raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
+            fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
+        sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
+        allocator = self.hf_cache.paged.allocator
+        tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
+                  for c in ordered]
+        if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
+            logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
+            return self._pick(logits, sample_at).float()
+        self.hf_cache.step = PackedStep(
+            slot_mapping=self._tensor(slots, torch.int64),
+            decode=self._decode_rows(decode, tables[: len(decode)]),
+            prefill=self._prefill_chunks(prefill, tables[len(decode) :], start=len(decode)))
+        ids = self._tensor(input_ids, torch.int64)
+        if fill is not None:
+            fill_inputs(ids, *fill)
+        out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
+                         cache=self.hf_cache, use_cache=True,
+                         logits_to_keep=self._tensor(sample_at, torch.int64))
+        return out.logits[0].float()
+
+    def _pick(self, logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
+        if sample_at == list(range(len(sample_at))):
+            return logits[: len(sample_at)]
+        return logits[self._tensor(sample_at, torch.int64)]  # pinned copy: no host sync
+
+    def _decode_rows(self, members: list[ScheduledChunk], tables: list[list[int]]) -> DecodeRows | None:
+        if not members:
+            return None
+        return DecodeRows(block_tables=self._table(tables),
+                          seq_lens=self._tensor([c.start + 1 for c in members], torch.int32))
+
+    def _prefill_chunks(self, members: list[ScheduledChunk], tables: list[list[int]],
+                        start: int) -> PrefillChunks | None:
+        if not members:
+            return None
+        cu = [0]
+        for chunk in members:
+            cu.append(cu[-1] + chunk.num_tokens)
+        runs = equal_length_runs([c.num_tokens for c in members]) if all(c.start == 0 for c in members) else None
+        return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
+                             max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
+                             seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32),
+                             runs=runs, sdpa=runs is not None and self.sdpa_shapes.recurring(runs))
+
+    def _table(self, tables: list[list[int]]) -> torch.Tensor:
+        width = max(1, max(len(t) for t in tables))
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
+
+    def _tensor(self, values, dtype) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=dtype)
+        if self.device.type == "cuda":  # one pinned, non-blocking copy per tensor
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

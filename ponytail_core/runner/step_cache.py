@@ -1,0 +1,93 @@
+"""The transformers `Cache` the engine drives: one packed forward pass per step.
+
+Every scheduled request's new tokens are packed into one [1, N] batch (no padding in the model's
+matmuls): decode tokens first, one per row, then the prefill chunks end to end. Attention splits
+them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
+chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
+context. When no chunk has context (every chunk starts its sequence) they attend the step's own
+K/V instead (chunk_attention.py), without reading the blocks back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..attention.chunks import ChunkRun, attention_over_new_tokens
+from ..plugin.cache import PagedCacheBase
+from ..attention.paged import paged_attention, paged_attention_varlen
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """Packed positions 0 .. rows - 1: one new token per row."""
+
+    block_tables: torch.Tensor  # [rows, max_blocks] int32
+    seq_lens: torch.Tensor  # [rows] int32: tokens in the cache after this step (0: a padding row)
+
+    @property
+    def rows(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+@dataclass(slots=True)
+class PrefillChunks:
+    """Packed positions start .. N - 1: the chunks end to end."""
+
+    start: int
+    cu_seq_q: torch.Tensor  # [chunks + 1] int32, cumulative chunk lengths from 0
+    max_query_len: int
+    block_tables: torch.Tensor  # [chunks, max_blocks] int32
+    seq_lens: torch.Tensor  # [chunks] int32
+    runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
+    sdpa: bool = True  # runs may go to SDPA: their shapes recur (chunk_attention.SdpaShapes)
+
+
+@dataclass(slots=True)
+class PackedStep:
+    slot_mapping: torch.Tensor  # [N] int64, one slot per packed token (-1: padding, nothing written)
+    decode: DecodeRows | None
+    prefill: PrefillChunks | None
+
+
+def fill_inputs(input_ids: torch.Tensor, sampled: torch.Tensor, index: torch.Tensor) -> None:
+    """input_ids[index[0]] = sampled[index[1]], on the device: the tokens a step still in flight
+    sampled become the next step's inputs without a round trip through the host."""
+    input_ids.index_copy_(0, index[0], sampled.index_select(0, index[1]))
+
+
+class PackedStepCache(PagedCacheBase):
+    def __init__(self, paged):
+        super().__init__(paged)
+        self.step: PackedStep | None = None
+
+    def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
+        step = self.step
+        if layer_idx == 0:
+            self.check_model(module, query, key, sliding_window)
+        self.write_new_kv(layer_idx, key, value, step.slot_mapping)
+        q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
+        storage = self.paged.storage
+        decode_out = None
+        if step.decode is not None:
+            rows = step.decode.rows
+            q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
+            decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens,
+                                         None, scale)[:, :, 0]
+        chunks = step.prefill
+        self._awaiting_attention = None
+        if chunks is None:
+            return decode_out.unsqueeze(0)
+        if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
+            out = torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
+            s = chunks.start
+            attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
+                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:], sdpa=chunks.sdpa)
+            if decode_out is not None:
+                out[:s] = decode_out
+            return out.unsqueeze(0)
+        prefill_out = paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
+                                             chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale)
+        out = prefill_out if decode_out is None else torch.cat([decode_out, prefill_out])
+        return out.unsqueeze(0)  # [1, N, Hq, D]

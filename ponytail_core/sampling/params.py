@@ -1,0 +1,153 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM's names, defaults).
+
+A user who knows `vllm.SamplingParams` can pass the same keyword arguments here. Every value is
+checked in __post_init__; a bad one raises `ponytail.ConfigError` naming the parameter, the value
+given and what is allowed. Only one sequence per request is sampled (n=1).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+from ..errors import ConfigError
+
+# Below this a temperature counts as greedy, as in vLLM (_SAMPLING_EPS): dividing logits by a
+# tinier number only risks overflow, and the softmax is one-hot anyway.
+GREEDY_TEMPERATURE = 1e-5
+# The most top logprobs a request may ask for (vLLM's default max_logprobs).
+MAX_LOGPROBS = 20
+# The seeds torch.Generator.manual_seed accepts.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+def _invalid(name: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(f"{name}={value!r} is invalid; allowed: {allowed}")
+
+
+def _wrong_type(name: str, value: object, allowed: str) -> ConfigError:
+    return ConfigError(
+        f"{name}={value!r} ({type(value).__name__}) is invalid; allowed: {allowed}"
+    )
+
+
+def _int(name: str, value: object, allowed: str, low: int, high: int | None = None) -> int:
+    """value as an int in [low, high]; bool is not an int."""
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise _wrong_type(name, value, allowed)
+    if value < low or (high is not None and value > high):
+        raise _invalid(name, value, allowed)
+    return int(value)
+
+
+def _float(name: str, value: object, allowed: str, ok) -> float:
+    """value as a finite float for which ok(value) holds; bool and strings are not numbers."""
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise _wrong_type(name, value, allowed)
+    value = float(value)
+    if not math.isfinite(value):
+        raise _invalid(name, value, f"{allowed}, finite")
+    if not ok(value):
+        raise _invalid(name, _plain(value), allowed)
+    return value
+
+
+def _plain(value: float) -> float | int:
+    """0.0 -> 0 so messages read `top_p=0`, as the user most likely typed it."""
+    return int(value) if value.is_integer() else value
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise _wrong_type(name, value, "True or False")
+    return value
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """Sampling and stopping rules for one request; the fields, defaults and meanings are vLLM's.
+
+    Processing order in the sampler (vLLM v1): min_tokens mask, penalties, then greedy argmax,
+    or temperature, min_p, top_k, top_p and a random draw.
+    """
+
+    n: int = 1  # sequences per request; only 1 is supported
+    max_tokens: int = 16  # the most tokens to generate
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
+    temperature: float = 1.0  # logits are divided by it; 0 (anything < 1e-5) means greedy
+    top_p: float = 1.0  # keep the smallest set of top tokens whose probability sum >= top_p
+    top_k: int = 0  # keep the top_k most likely tokens; 0 or -1 means off (-1 becomes 0)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the top token's probability
+    repetition_penalty: float = 1.0  # HF/vLLM: > 1 discourages tokens seen in prompt or output
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from tokens already in the output
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
+    seed: int | None = None  # the request samples from its own generator seeded with this
+    stop: str | list[str] | None = None  # strings that end the text; normalized to a list
+    stop_token_ids: list[int] | None = None  # tokens that end generation; normalized to a list
+    ignore_eos: bool = False  # keep generating past EOS
+    include_stop_str_in_output: bool = False  # keep the matched stop string in the text
+    logprobs: int | None = None  # top logprobs to return besides the sampled token's; None: none
+    skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n, bool) or not isinstance(self.n, Integral) or self.n != 1:
+            raise _invalid("n", self.n, "1 (one sequence per request; send n requests instead)")
+        self.max_tokens = _int("max_tokens", self.max_tokens, "an integer >= 1", 1)
+        self.min_tokens = _int("min_tokens", self.min_tokens, "an integer >= 0", 0)
+        if self.min_tokens > self.max_tokens:
+            raise _invalid("min_tokens", self.min_tokens,
+                           f"an integer <= max_tokens={self.max_tokens}")
+        self.temperature = _float("temperature", self.temperature, ">= 0 (0 means greedy)",
+                                  lambda v: v >= 0)
+        self.top_p = _float("top_p", self.top_p, "0 < top_p <= 1", lambda v: 0 < v <= 1)
+        self.top_k = _int("top_k", self.top_k, "-1 or 0 (off), or an integer >= 1", -1)
+        if self.top_k == -1:
+            self.top_k = 0
+        self.min_p = _float("min_p", self.min_p, "0 <= min_p <= 1", lambda v: 0 <= v <= 1)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty,
+                                         "> 0 (1 means off)", lambda v: v > 0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name), f"-2 <= {name} <= 2 (0 means off)",
+                           lambda v: -2 <= v <= 2)
+            setattr(self, name, value)
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, "None or an integer in [-2**63, 2**64 - 1]",
+                             _SEED_MIN, _SEED_MAX)
+        self.stop = self._check_stop(self.stop)
+        self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _bool(name, getattr(self, name))
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs,
+                                 f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS)
+
+    @staticmethod
+    def _check_stop(stop: object) -> list[str]:
+        allowed = "None, a non-empty string or a list of non-empty strings"
+        if stop is None:
+            return []
+        items = [stop] if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise _wrong_type("stop", stop, allowed)
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise _invalid("stop", stop, allowed)
+        return list(items)
+
+    @staticmethod
+    def _check_stop_token_ids(ids: object) -> list[int]:
+        allowed = "None or a list of integers >= 0"
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise _wrong_type("stop_token_ids", ids, allowed)
+        for item in ids:
+            if isinstance(item, bool) or not isinstance(item, Integral) or item < 0:
+                raise _invalid("stop_token_ids", ids, allowed)
+        return [int(item) for item in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """True when the token is the argmax: temperature 0 (below 1e-5, as vLLM) or top_k == 1."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
