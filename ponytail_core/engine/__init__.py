@@ -1,1 +1,4 @@
-"""TODO"""
+"""The continuous-batching engine: requests, the token-budget scheduler, the step loop, detokenizing.
+
+Imports: runner, sampling, kv, utils, errors.
+"""

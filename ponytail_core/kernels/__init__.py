@@ -1,1 +1,4 @@
-"""TODO"""
+"""Loading the CUDA sources in cuda_kernels/ through CuPy, choosing kernel or torch fallback, launch helpers.
+
+Imports: utils and errors only. Knows nothing of caches or models.
+"""
