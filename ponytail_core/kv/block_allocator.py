@@ -16,6 +16,9 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Iterator
+
+from .prefix_events import PrefixEventLog
 
 
 @dataclass(slots=True)
@@ -66,9 +69,39 @@ class _SeqState:
     sealed_after: int | None = None  # the chain hash that block was sealed after
 
 
+ROOT_HASH = 0  # what the first block chains over
+
+
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained over the previous block's hash (prefix identity)."""
-    return hash((prev_hash, token_ids))
+    """Hash of a full block, chained over the previous block's hash (prefix identity).
+
+    The same in every process, so a router elsewhere can compute what an engine caches: ints and
+    tuples of ints hash by value, while None (before Python 3.12) hashes by its address.
+    """
+    return hash((ROOT_HASH if prev_hash is None else prev_hash, token_ids))
+
+
+def iter_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int,
+                      max_cached_tokens: int | None = None) -> Iterator[tuple[int, tuple[int, ...]]]:
+    """(chain hash, tokens) of each full block of a prompt that a prefix hit may cover, in order."""
+    limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
+    prev_hash: int | None = None
+    for start in range(0, limit - block_size + 1, block_size):
+        block_tokens = tuple(token_ids[start : start + block_size])
+        prev_hash = chain_hash(prev_hash, block_tokens)
+        yield prev_hash, block_tokens
+
+
+def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int,
+                        max_cached_tokens: int | None = None) -> list[int]:
+    """The chain hashes the allocator gives a prompt's full blocks, up to `max_cached_tokens`.
+
+    An engine admits a prompt with max_cached_tokens = len(prompt) - 1 (its last token is always
+    computed); the same cap here makes a match on these hashes exactly the engine's prefix hit.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} is not supported; allowed: an int >= 1")
+    return [h for h, _ in iter_block_hashes(token_ids, block_size, max_cached_tokens)]
 
 
 class BlockAllocator:
@@ -82,6 +115,7 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[object, _SeqState] = {}
+        self.prefix_events: PrefixEventLog | None = None  # attached by whoever publishes the cache's content
 
     # ------------------------------------------------------------------ queries
     @property
@@ -147,11 +181,8 @@ class BlockAllocator:
         bs = self.block_size
         hits: list[int] = []
         prev_hash: int | None = None
-        limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
         if self.enable_prefix_caching:
-            for start in range(0, limit - bs + 1, bs):
-                block_tokens = tuple(token_ids[start : start + bs])
-                h = chain_hash(prev_hash, block_tokens)
+            for h, block_tokens in iter_block_hashes(token_ids, bs, max_cached_tokens):
                 block_id = self._hash_to_block.get(h)
                 if block_id is None or self.blocks[block_id].token_ids != block_tokens:
                     break
@@ -207,8 +238,10 @@ class BlockAllocator:
         full = min(num_computed_tokens, state.num_tokens) // self.block_size
         for index in range(state.num_committed, full):
             block = self.blocks[state.block_ids[index]]
-            if self.enable_prefix_caching and block.hash is not None:
-                self._hash_to_block.setdefault(block.hash, block.block_id)
+            if self.enable_prefix_caching and block.hash is not None \
+                    and self._hash_to_block.setdefault(block.hash, block.block_id) == block.block_id \
+                    and self.prefix_events is not None:
+                self.prefix_events.record(block.hash, stored=True)
         state.num_committed = max(state.num_committed, full)
 
     def replace_token(self, seq_id, position: int, token: int) -> None:
@@ -291,7 +324,7 @@ class BlockAllocator:
         for block_id in range(new_total, self.num_blocks):
             if block_id in self._evictable:
                 del self._evictable[block_id]
-                del self._hash_to_block[self.blocks[block_id].hash]
+                self._forget_hash(self.blocks[block_id].hash)
         del self.blocks[new_total:]
         self._free = [b for b in self._free if b < new_total]
         heapq.heapify(self._free)
@@ -301,7 +334,7 @@ class BlockAllocator:
         dropped = 0
         while dropped < count and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self.blocks[block_id].hash]
+            self._forget_hash(self.blocks[block_id].hash)
             self.blocks[block_id].reset()
             heapq.heappush(self._free, block_id)
             dropped += 1
@@ -378,6 +411,11 @@ class BlockAllocator:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"seq_id={seq_id!r} is not allocated") from None
+
+    def _forget_hash(self, block_hash: int) -> None:
+        del self._hash_to_block[block_hash]
+        if self.prefix_events is not None:
+            self.prefix_events.record(block_hash, stored=False)
 
     def _last_block_is_shared_partial(self, state: _SeqState) -> bool:
         return (state.num_tokens % self.block_size != 0

@@ -85,6 +85,20 @@ def load_model(
     return _ready(model, tokenizer)
 
 
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer load_model would return for `name_or_path`, without loading the weights
+    (a router tokenizes prompts the way the engine will). Same arguments and errors."""
+    from transformers import AutoTokenizer
+
+    path = default_checkpoint() if name_or_path is None else _local_path(name_or_path)
+    if path.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def cache_dir() -> Path:
     """Ponytail's cache root: $PONYTAIL_CACHE_DIR, $XDG_CACHE_HOME/ponytail or ~/.cache/ponytail."""
     root = os.environ.get(CACHE_ENV)
