@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from typing import Any
@@ -44,8 +43,8 @@ class PrefixAffinityRouter(KVBlockRouter):
     index is a hint, and a wrong one costs a recomputed prefix, never a failed request.
 
     Prompts sent as token ids are hashed as they are. Chat messages and text are tokenized here
-    with the engine's tokenizer (loaded in a thread on first use, `model` kwarg: None for the
-    default model; until then such requests route on blocks and load alone), once per request.
+    with the engine's tokenizer, once per request (loaded when Ray builds the router, `model` kwarg:
+    None for the default model; where it cannot be loaded they route on blocks and load alone).
 
         RequestRouterConfig(request_router_class="deployments.prefix_router:PrefixAffinityRouter",
                             request_router_kwargs={"prefix_weight": 2.0, "model": None})
@@ -61,8 +60,6 @@ class PrefixAffinityRouter(KVBlockRouter):
         self.prefix_weight = self.PREFIX_WEIGHT
         self.tokenizer: Any = None
         self._tokenizer_model: str | None = None
-        self._tokenizer_wanted = True
-        self._tokenizer_task: asyncio.Future | None = None
         self._indexes: dict[ReplicaID, PrefixIndex] = {}
 
     def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
@@ -78,7 +75,11 @@ class PrefixAffinityRouter(KVBlockRouter):
             self.prefix_weight = float(prefix_weight)
         if not isinstance(tokenize, bool):
             raise ValueError(f"request_router_kwargs tokenize={tokenize!r}; expected true or false")
-        self._tokenizer_model, self._tokenizer_wanted, self.tokenizer = model, tokenize, tokenizer
+        self._tokenizer_model, self.tokenizer = model, tokenizer
+        if tokenize and tokenizer is None:
+            # Here, once: Ray builds the router at a handle's first call, which waits the second or
+            # two this takes; every chat or text prompt after it is hashed as the engine will run it.
+            self._load_tokenizer()
 
     # ------------------------------------------------------------------ the prompt
     def prompt_hashes(self, pending_request: PendingRequest | None, block_size: int) -> tuple[list[int], int] | None:
@@ -106,8 +107,7 @@ class PrefixAffinityRouter(KVBlockRouter):
     def _token_ids(self, request: GenerateRequest) -> list[int] | None:
         if isinstance(request.prompt, list) and request.messages is None:
             return request.prompt
-        if self.tokenizer is None:
-            self._load_tokenizer()
+        if self.tokenizer is None:  # none could be loaded here: size and load decide
             return None
         try:
             return prompt_token_ids(self.tokenizer, request)
@@ -115,19 +115,11 @@ class PrefixAffinityRouter(KVBlockRouter):
             return None
 
     def _load_tokenizer(self) -> None:
-        """Starts loading the tokenizer in a thread, once: choose_replicas never waits for it."""
-        if not self._tokenizer_wanted or self._tokenizer_task is not None:
-            return
-        loop = asyncio.get_running_loop()
-        self._tokenizer_task = loop.run_in_executor(None, ponytail.load_tokenizer, self._tokenizer_model)
-        self._tokenizer_task.add_done_callback(self._tokenizer_loaded)
-
-    def _tokenizer_loaded(self, task: asyncio.Future) -> None:
-        if task.cancelled() or task.exception() is not None:
+        try:
+            self.tokenizer = ponytail.load_tokenizer(self._tokenizer_model)
+        except Exception as exc:  # the app still serves; chat and text prompts lose their affinity only
             logger.warning("prefix router: no tokenizer for model %r (%s); chat and text prompts route without "
-                           "prefix affinity", self._tokenizer_model, None if task.cancelled() else task.exception())
-            return
-        self.tokenizer = task.result()
+                           "prefix affinity", self._tokenizer_model, exc)
 
     # ------------------------------------------------------------------ the ranking
     def _placement(self, replica: RunningReplica, report: Report, free: int, tokens: int | None,

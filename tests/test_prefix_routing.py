@@ -35,6 +35,8 @@ def make_router(clock, **kwargs) -> PrefixAffinityRouter:
                                   self_actor_id="fake-actor-id", self_actor_handle=None,
                                   use_replica_queue_len_cache=True, get_curr_time_s=clock.time,
                                   initial_backoff_s=0.001, backoff_multiplier=1, max_backoff_s=0.001)
+    if "tokenizer" not in kwargs:
+        kwargs.setdefault("tokenize", False)  # token-id prompts: no tokenizer to load
     router.initialize_state(clock=clock.time, **kwargs)
     return router
 
