@@ -7,7 +7,7 @@ from .utils.compat import check_transformers
 
 check_transformers()
 
-from .kv.block_allocator import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
+from .kv.blocks import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
 from .kv.prefix_events import PrefixEvent, PrefixEventLog  # noqa: E402
 from .kv.config import CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
