@@ -311,6 +311,7 @@ def main() -> int:
                     before = replica_counters(name)
                     if chat:
                         result = run_chat(base, MODEL, prompts, dataclasses.replace(shape, session_gap_s=gap))
+                        result.update(ttft_percentiles(result["ttfts"]))
                     else:
                         result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap, sizes["long_len"])
                     after = replica_counters(name)
