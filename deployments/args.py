@@ -8,12 +8,11 @@ Unknown names are refused, so a typo is an error rather than a silently ignored 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import ClassVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
-
-from ponytail.utils.units import is_seconds, parse_bytes
 
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
@@ -82,24 +81,17 @@ class AppArgs(BaseModel):
             raise ValueError(f"compile_model={value!r} is not supported; allowed: true, false")
         return value
 
-    @field_validator("kv_cache_memory")
-    @classmethod
-    def _kv_cache_memory(cls, value: int | str | None) -> int | str | None:
-        if value is not None:
-            parse_bytes(value, "kv_cache_memory")  # ConfigError (a ValueError) saying what is allowed
-        return value
-
     @field_validator("max_hold_s")
     @classmethod
     def _max_hold(cls, value: float) -> float:
-        if not is_seconds(value):
+        if not _seconds(value):
             raise ValueError(f"max_hold_s={value:g} is not supported; allowed: seconds >= 0 (0: never hold)")
         return value
 
     @field_validator("stream_interval_s")
     @classmethod
     def _stream_interval(cls, value: float) -> float:
-        if not is_seconds(value, most=1):
+        if not _seconds(value, most=1):
             raise ValueError(f"stream_interval_s={value:g} is not supported; allowed: seconds from 0 to 1 "
                              "(0: a message per engine step)")
         return value
@@ -127,3 +119,7 @@ class AppArgs(BaseModel):
         if os.path.exists(os.path.expanduser(self.model)):
             return os.path.basename(self.model.rstrip("/"))
         return self.model
+
+
+def _seconds(value: float, most: float = math.inf) -> bool:
+    return math.isfinite(value) and 0 <= value <= most

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from .errors import ConfigError, PonytailError
+from .utils.units import parse_bytes
 
 _SERVE_EXTRA = "ponytail serve needs Ray Serve: pip install -e '.[serve]'"
 
@@ -108,9 +109,15 @@ def app_args(args: argparse.Namespace):
                               f"allowed: --replicas alone, or {' and '.join(_flag(f) for f in given)} without it")
         values["min_replicas"] = values["max_replicas"] = args.replicas
     try:
-        return AppArgs.model_validate(values)
+        settings = AppArgs.model_validate(values)
     except ValidationError as exc:
         raise ConfigError("; ".join(_describe(error) for error in exc.errors())) from None
+    if settings.kv_cache_memory is not None:  # else only the replicas would find out, at start
+        try:
+            parse_bytes(settings.kv_cache_memory, "kv_cache_memory")
+        except ConfigError as exc:
+            raise ConfigError(f"--kv-cache-memory: {exc}") from None
+    return settings
 
 
 def _describe(error: dict) -> str:
