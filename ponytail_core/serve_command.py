@@ -68,15 +68,24 @@ def run_serve(args: argparse.Namespace) -> int:
     attached = args.address is not None or bool(os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address)
     signal.signal(signal.SIGTERM, _interrupt)  # `kill`, docker stop: the same clean stop as Ctrl-C
+    deployed = False
     try:
+        running = serve.status()  # empty when this cluster runs no Serve yet
+        if args.name in running.applications:  # serve.run would replace it, and we would delete it
+            raise ConfigError(f"--name={args.name!r}: the cluster already runs an application of that "
+                              "name; allowed: another --name, or stop that one first")
         serve.start(http_options={"host": args.host, "port": args.port})
+        where = (f"http://{args.host}:{args.port}/v1" if not running.proxies else
+                 "the HTTP address of the Serve already running there (--host/--port apply only to a "
+                 "Serve this command starts)")
         try:
+            deployed = True  # from here on, stopping removes the application, even half-deployed
             serve.run(build(settings), name=args.name, route_prefix="/", blocking=False)
         except Exception as exc:  # Serve's deploy failure: replica tracebacks included
             print(f"ponytail: error: the application did not start: {exc}", file=sys.stderr)
             return 1
-        print(f"ponytail: serving {settings.served_name()!r} at http://{args.host}:{args.port}/v1 "
-              f"(OpenAI API; app {args.name!r}); Ctrl-C stops it", flush=True)
+        print(f"ponytail: serving {settings.served_name()!r} at {where} (OpenAI API; app "
+              f"{args.name!r}); Ctrl-C stops it", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -85,7 +94,8 @@ def run_serve(args: argparse.Namespace) -> int:
         # Ctrl-C reaches the whole foreground group: a second one must not cut the cleanup short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if attached:  # not our cluster: take only our application off it
-            serve.delete(args.name)
+            if deployed:
+                serve.delete(args.name)
         else:
             serve.shutdown()
             ray.shutdown()

@@ -132,7 +132,8 @@ def test_serve_run_refuses_a_mistyped_argument_by_name():
 def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(default_model, tmp_path,
                                                                                  monkeypatch):
     """`serve run deployments.app:build max_replicas=1 ...` (strings, as Serve's CLI passes them)
-    onto a running cluster whose replicas see only a local hub cache, offline."""
+    onto a running cluster whose replicas see only a local hub cache, offline; then `ponytail serve
+    --address` attached to that cluster."""
     import ray
     from ray import serve
 
@@ -162,6 +163,29 @@ def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(d
         assert [m.id for m in client.models.list().data] == [HUB_ID]  # the hub id is the served name
         chat = client.chat.completions.create(model=HUB_ID, temperature=0, messages=README_QUESTION)
         assert chat.choices[0].message.content == "The capital of France is Paris."
+
+        # `ponytail serve --address` on the same running cluster: Ctrl-C takes off only its own app.
+        serve.delete("ponytail")
+        log = tmp_path / "attached.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ponytail.cli", "serve", HUB_ID, "--address",
+                 ray.get_runtime_context().gcs_address, "--replicas", "1", "--device", "cpu",
+                 "--kv-cache-memory", "256MiB", "--max-num-seqs", "8", "--served-model-name", "smol"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+        try:
+            content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
+            assert "serving 'smol' at the HTTP address of the Serve already running there" in content
+            chat = client.chat.completions.create(model="smol", temperature=0, messages=README_QUESTION)
+            assert chat.choices[0].message.content == "The capital of France is Paris."
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=120) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        after = serve.status()
+        assert "ponytail" not in after.applications and after.proxies  # the cluster's Serve still runs
     finally:
         serve.shutdown()
         ray.shutdown()
