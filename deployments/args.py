@@ -55,8 +55,9 @@ class AppArgs(BaseModel):
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
 
-    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size",
-                     "compile_model", "stream_interval_s")  # what EngineReplica takes, besides device, name
+    # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
+    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
+                                                "block_size", "compile_model", "stream_interval_s")
 
     @field_validator("device")
     @classmethod

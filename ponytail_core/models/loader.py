@@ -63,8 +63,8 @@ def load_model(
 
     name_or_path: None for the default model, a local transformers checkpoint directory, a .gguf
     file, or a hub id (transformers' hub cache; downloaded unless HF_HUB_OFFLINE=1). device:
-    "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for
-    float32 on the CPU and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
+    "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for float32 on the CPU
+    and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
     The model is in eval mode with generation_config.pad_token_id set; the tokenizer pads on the
     left and has a pad token.
     """
