@@ -1,0 +1,54 @@
+"""The memory timeline as a PNG: one panel per side on the same memory scale, Ponytail's pool
+(size, used blocks, what the live tokens need) on the same time axis as the device's memory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .memory import MemorySample
+
+GB = 1e9
+SIDE_TITLES = {"generate": "plain model.generate (DynamicCache)", "ponytail": "Ponytail (paged KV pool)"}
+
+
+def plot_memory(samples: list[MemorySample], path: Path, title: str, estimate_bytes: int | None = None) -> Path:
+    """Write the PNG; estimate_bytes: `ponytail estimate`'s KV prediction, drawn beside the KV pool."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    sides = [s for s in SIDE_TITLES if any(m.side == s for m in samples)]
+    fig, axes = plt.subplots(1, max(1, len(sides)), figsize=(6.5 * max(1, len(sides)), 4.5), sharey=True,
+                             squeeze=False)
+    for ax, side in zip(axes[0], sides):
+        rows = [m for m in samples if m.side == side]
+        t = [m.t for m in rows]
+        series = {
+            "device used (NVML)": [m.device_used for m in rows],
+            "torch reserved": [m.reserved for m in rows],
+            "torch allocated": [m.allocated for m in rows],
+            "process RSS": [m.rss for m in rows],
+            "KV pool": [m.pool.pool_bytes if m.pool else None for m in rows],
+            "KV used blocks": [m.pool.used_bytes if m.pool else None for m in rows],
+            "KV live-token need": [m.pool.live_token_bytes if m.pool else None for m in rows],
+        }
+        for label, values in series.items():
+            if all(v is None for v in values):
+                continue
+            style = "--" if label.startswith("KV") else "-"
+            ax.plot(t, [float("nan") if v is None else v / GB for v in values], style, label=label, linewidth=1.4)
+        if estimate_bytes is not None and side == "ponytail":
+            ax.axhline(estimate_bytes / GB, color="grey", linestyle=":", linewidth=1,
+                       label="KV predicted by ponytail estimate")
+        ax.set_title(SIDE_TITLES[side])
+        ax.set_xlabel("seconds since the side started")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0][0].set_ylabel("GB")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
