@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import ponytail
 from ponytail.bench.memory import MemorySample, PoolSnapshot
 from ponytail.bench.output_check import check_outputs, float32_weights, judge, logit_error
+from ponytail.bench.plot import plot_folder, read_csv
 from ponytail.bench.report import CSV_COLUMNS, write_csv
 from ponytail.bench.run import BenchConfig
 from ponytail.bench.speed import percentile
@@ -101,6 +102,26 @@ def test_bench_check_tokens_0_skips_the_check_and_still_measures(capsys, tmp_pat
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["output_check"]["checked"] is False and set(summary["speed"]) == {"ponytail"}
     assert (tmp_path / "memory.png").exists()
+
+
+def test_bench_ctrl_c_stops_cleanly_and_writes_what_ran(capsys, tmp_path, monkeypatch, default_model):
+    real_step, calls = llm_engine.LLMEngine.step, []
+
+    def step(self):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step(self)
+
+    monkeypatch.setattr(llm_engine.LLMEngine, "step", step)
+    code, out, _ = run(capsys, "bench", "--requests", "2", "--prompt-len", "4", "--output-len", "8",
+                       "--check-tokens", "0", "--baseline", "none", "--out", str(tmp_path))
+    assert code == 130 and "stopped by Ctrl-C" in out
+    speed = json.loads((tmp_path / "summary.json").read_text())["speed"]["ponytail"]
+    assert speed["interrupted"] and speed["requests_done"] == 0 and 0 < speed["output_tokens"] < 16
+    with (tmp_path / "memory.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert rows and int(rows[-1]["kv_used_bytes"]) == 0  # aborted requests gave their blocks back
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -212,6 +233,18 @@ def test_csv_leaves_cells_empty_where_a_count_does_not_apply(tmp_path):
         rows = list(csv.reader(f))
     assert rows == [list(CSV_COLUMNS), ["generate", "0.0000", "", "10", "20", "", "", "", "", "", ""],
                     ["ponytail", "0.5000", "999", "11", "21", "", "100", "40", "30", "2", "1"]]
+
+
+def test_plot_redraws_the_png_from_the_csv_it_reads_back(tmp_path):
+    pool = PoolSnapshot(pool_bytes=2_000_000, used_bytes=500_000, live_token_bytes=400_000, running=1, waiting=0)
+    samples = [MemorySample("generate", t / 10, None, None, None, 10**9 + t, None) for t in range(5)]
+    samples += [MemorySample("ponytail", t / 10, None, None, None, 10**9, pool) for t in range(5)]
+    write_csv(samples, tmp_path / "memory.csv")
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "device": "cpu", "dtype": "float32", "estimate": {"total_bytes_blocks": 10**6, "gpu_memory": 2**31},
+        "config": {"requests": 2, "workload": "uniform", "prompt_len": 4, "output_len": 2}}))
+    assert read_csv(tmp_path / "memory.csv") == samples
+    assert plot_folder(tmp_path).read_bytes()[:4] == b"\x89PNG"
 
 
 @pytest.mark.gpu

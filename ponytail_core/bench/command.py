@@ -74,7 +74,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         with _progress(console) as progress:
             result = run_bench(config, progress)
-    except KeyboardInterrupt:  # before any side ran: nothing measured to write
+    except KeyboardInterrupt:  # while loading or checking: nothing measured to write
         console.print("stopped before any timing ran; nothing written")
         return 130
     return report(result, console)
@@ -82,7 +82,7 @@ def run_command(args: argparse.Namespace) -> int:
 
 def report(result, console) -> int:
     from . import report as files
-    from .plot import plot_memory
+    from .plot import plot_folder
 
     console.print(result.check.summary(), highlight=False)
     out = result.config.out
@@ -92,13 +92,11 @@ def report(result, console) -> int:
         return 1
     if result.samples:
         written.append(files.write_csv(result.samples, out / "memory.csv"))
-        title = (f"{result.device}, {result.dtype}: {len(result.workload.prompts)} requests ({result.workload.kind}), "
-                 f"prompt <= {result.config.prompt_len}, output <= {result.config.output_len} tokens")
-        predicted = None
-        if result.estimate is not None:
-            e = result.estimate
-            predicted = min(e.total_bytes_blocks, e.gpu_memory) if e.gpu_memory else e.total_bytes_blocks
-        written.append(plot_memory(result.samples, out / "memory.png", title, predicted))
+        try:
+            written.append(plot_folder(out))
+        except ImportError as exc:  # the numbers are in the CSV; the picture can be drawn elsewhere
+            console.print(f"no memory.png: {exc}; pip install 'ponytail[bench]', then python -m "
+                          f"ponytail.bench.plot {out}", highlight=False)
     console.print(files.speed_table(result))
     for line in files.estimate_lines(result):
         console.print(line, highlight=False)

@@ -11,10 +11,10 @@ back, which is exact), and every token a side chose is judged on its own prefix:
 - otherwise a near tie when the reference puts it within `tolerance` logits of its best token,
   and wrong beyond that.
 
-`tolerance` is the dtype's noise, measured and bounded below: twice the largest error plain
-generate's own logit differences show against the reference on the same inputs (Ponytail may round
-somewhat differently from SDPA), and at least two units in the last place of the dtype at the
-size of the reference's top logit. A near tie therefore cannot fail the check, while a wrong
+`tolerance` is the dtype's noise, measured and bounded below: three times the largest error plain
+generate's own logit differences show against the reference on the same inputs (a flip needs the
+error to exceed the gap; Ponytail's kernels may round somewhat more than SDPA's), and at least two
+units in the last place of the dtype at the size of the reference's top logit. A near tie therefore cannot fail the check, while a wrong
 token (a far-off logit, the usual sign of a bug) cannot pass it. In float32 the tolerance is a few
 millionths of a logit, so there the check asks for the same tokens.
 """
@@ -31,7 +31,7 @@ import torch
 from ..sampling.params import MAX_LOGPROBS, SamplingParams
 
 ULPS = 2  # the tolerance's floor, in units in the last place of the top logit
-NOISE_MARGIN = 2.0  # the tolerance's measured part: this times plain generate's largest error
+NOISE_MARGIN = 3.0  # the tolerance's measured part: this times plain generate's largest error
 
 
 @dataclass(frozen=True, slots=True)

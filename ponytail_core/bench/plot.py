@@ -1,11 +1,17 @@
 """The memory timeline as a PNG: one panel per side on the same memory scale, Ponytail's pool
-(size, used blocks, what the live tokens need) on the same time axis as the device's memory."""
+(size, used blocks, what the live tokens need) on the same time axis as the device's memory.
+
+    python -m ponytail.bench.plot DIR    # draw DIR/memory.png again from DIR/memory.csv
+"""
 
 from __future__ import annotations
 
+import csv
+import json
+import sys
 from pathlib import Path
 
-from .memory import MemorySample
+from .memory import MemorySample, PoolSnapshot
 
 GB = 1e9
 SIDE_TITLES = {"generate": "plain model.generate (DynamicCache)", "ponytail": "Ponytail (paged KV pool)"}
@@ -52,3 +58,47 @@ def plot_memory(samples: list[MemorySample], path: Path, title: str, estimate_by
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def read_csv(path: Path) -> list[MemorySample]:
+    """The samples report.write_csv wrote, back as MemorySample."""
+    def num(cell: str) -> int | None:
+        return int(cell) if cell else None
+
+    samples = []
+    with path.open() as f:
+        for row in csv.DictReader(f):
+            pool = None
+            if row["kv_pool_bytes"]:
+                pool = PoolSnapshot(int(row["kv_pool_bytes"]), int(row["kv_used_bytes"]),
+                                    int(row["kv_live_token_bytes"]), int(row["running"]), int(row["waiting"]))
+            samples.append(MemorySample(row["side"], float(row["t_s"]), num(row["device_used_bytes"]),
+                                        num(row["torch_allocated_bytes"]), num(row["torch_reserved_bytes"]),
+                                        num(row["rss_bytes"]), pool))
+    return samples
+
+
+def plot_folder(folder: Path) -> Path:
+    """Draw folder/memory.png from the memory.csv and summary.json `ponytail bench` wrote there."""
+    summary = json.loads((folder / "summary.json").read_text())
+    c, e = summary["config"], summary.get("estimate")
+    predicted = None
+    if e:
+        predicted = min(e["total_bytes_blocks"], e["gpu_memory"]) if e["gpu_memory"] else e["total_bytes_blocks"]
+    title = (f"{summary['device']}, {summary['dtype']}: {c['requests']} requests ({c['workload']}), "
+             f"prompt <= {c['prompt_len']}, output <= {c['output_len']} tokens")
+    return plot_memory(read_csv(folder / "memory.csv"), folder / "memory.png", title, predicted)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Redraw a bench directory's PNG (e.g. from a CSV brought back from a machine without matplotlib)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m ponytail.bench.plot DIR  (DIR holds memory.csv and summary.json)", file=sys.stderr)
+        return 2
+    print(plot_folder(Path(args[0])))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

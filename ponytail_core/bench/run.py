@@ -129,6 +129,8 @@ def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchRes
             _run_baseline(model, tokenizer, workload, config, sampler, progress, result)
         if not result.interrupted:
             _run_engine(model, workload, llm_kwargs, config, sampler, progress, result)
+    except KeyboardInterrupt:  # between the sides' own loops (which stop cleanly themselves)
+        result.interrupted = True
     finally:
         probe.close()
         result.samples = sampler.samples
