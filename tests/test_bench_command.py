@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import json
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +26,7 @@ from ponytail.bench.workload import make_workload
 from ponytail.cli import main
 from ponytail.engine import llm_engine
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--prompt-len", "8", "--output-len", "4", "--check-requests", "2", "--check-tokens", "3",
          "--sample-interval", "0.02"]
 
@@ -249,12 +253,28 @@ def test_plot_redraws_the_png_from_the_csv_it_reads_back(tmp_path):
 
 @pytest.mark.gpu
 def test_bench_on_cuda_samples_device_memory_and_passes_the_check_in_bf16(capsys, tmp_path):
-    code, out, err = run(capsys, "bench", "--device", "cuda", "--requests", "8", "--prompt-len", "64",
-                         "--output-len", "32", "--check-tokens", "16", "--out", str(tmp_path))
+    """On the GPU machine: a SmolLM2-shaped random checkpoint (the GGUF cannot be carried there)."""
+    pytest.importorskip("rich")
+    files = ROOT / ".gpu" / "smollm2-files"
+    if not (files / "config.json").is_file():
+        pytest.skip("needs .gpu/smollm2-files: python benchmarks/random_checkpoint.py export .gpu/smollm2-files")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from random_checkpoint import build_checkpoint
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    checkpoint = build_checkpoint(files, tmp_path / "model")
+    code, out, err = run(capsys, "bench", str(checkpoint), "--device", "cuda", "--requests", "8", "--prompt-len",
+                         "64", "--output-len", "32", "--workload", "mixed", "--check-tokens", "16",
+                         "--kv-cache-memory", "1GiB", "--kv-release-after", "0", "--idle", "1",
+                         "--out", str(tmp_path / "bench"))
     assert code == 0, out + err
-    summary = json.loads((tmp_path / "summary.json").read_text())
+    summary = json.loads((tmp_path / "bench" / "summary.json").read_text())
     assert summary["dtype"] == "bfloat16" and summary["output_check"]["passed"]
-    with (tmp_path / "memory.csv").open() as f:
+    assert summary["memory_source"] in ("NVML + torch allocator", "torch allocator")
+    with (tmp_path / "bench" / "memory.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert all(int(r["torch_allocated_bytes"]) > 0 for r in rows)
+    assert all(int(r["torch_allocated_bytes"]) > 0 and r["rss_bytes"] == "" for r in rows)
     assert summary["speed"]["ponytail"]["requests_done"] == summary["speed"]["generate"]["requests_done"] == 8
+    if importlib.util.find_spec("matplotlib") is not None:  # without it: the CSV, and a hint to redraw
+        assert (tmp_path / "bench" / "memory.png").exists()
