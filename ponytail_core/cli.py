@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .bench.command import add_parser as add_bench_parser
 from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
@@ -66,6 +67,7 @@ def _build_parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(run=_run_estimate)
     add_serve_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 
