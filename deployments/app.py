@@ -83,6 +83,9 @@ def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
 
 def router_arguments(settings: AppArgs) -> dict:
     """request_router_kwargs for the chosen router (Serve's own takes none)."""
+    if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
+        return {"max_hold_s": float(settings.max_hold_s), "prefix_weight": float(settings.prefix_weight),
+                "model": settings.model}
     return {"max_hold_s": float(settings.max_hold_s)} if settings.router == "kv_blocks" else {}
 
 

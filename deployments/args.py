@@ -16,6 +16,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
+    "prefix": "deployments.prefix_router:PrefixAffinityRouter",  # kv_blocks plus prefix-cache affinity
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
 }
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name in the API
@@ -46,10 +47,13 @@ class AppArgs(BaseModel):
     max_queued_requests: int = Field(256, description="requests queued beyond this get 503")
     stats_period_s: float = Field(0.2, description="how often replicas report free KV blocks to the "
                                   "router, seconds")
-    router: str = Field("kv_blocks", description="kv_blocks (deployments.router) | power_of_two "
+    router: str = Field("kv_blocks", description="kv_blocks (deployments.router) | prefix "
+                        "(deployments.prefix_router: kv_blocks plus prefix-cache affinity) | power_of_two "
                         "(Serve's default, to compare)")
     max_hold_s: float = Field(10.0, description="kv_blocks: longest wait in the router while no replica "
                               "has room, seconds (0: never)")
+    prefix_weight: float = Field(2.0, description="prefix: what a fully cached prompt weighs against pool "
+                                 "use and load (each 0-1); 0: no affinity")
     compile_model: bool = Field(False, description="torch.compile the decoder layers: ~21% more decode "
                                 "tokens/s on a 7B (H200), slower start")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
@@ -87,6 +91,13 @@ class AppArgs(BaseModel):
     def _max_hold(cls, value: float) -> float:
         if not _seconds(value):
             raise ValueError(f"max_hold_s={value:g} is not supported; allowed: seconds >= 0 (0: never hold)")
+        return value
+
+    @field_validator("prefix_weight")
+    @classmethod
+    def _prefix_weight(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"prefix_weight={value:g} is not supported; allowed: a number >= 0 (0: no affinity)")
         return value
 
     @field_validator("stream_interval_s")

@@ -69,3 +69,7 @@ STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_BLOCK_SIZE = "block_size"
 STAT_TIME = "time"  # time.time() on the replica when the stats were read
+# The prefix cache, for the prefix-aware router (deployments/prefix_publisher.py writes them).
+STAT_PREFIX_SEQ = "prefix_seq"  # sequence number of the newest prefix-cache event (0: none yet)
+STAT_PREFIX_EVENTS = "prefix_events"  # [(block hash, stored)] ending at prefix_seq, oldest first
+STAT_CACHED_BLOCKS = "cached_blocks"  # of free_blocks, those holding cached prefixes (evicted when taken)

@@ -13,6 +13,8 @@ import ponytail
 from ponytail import SamplingParams
 
 from .metrics import ReplicaMetrics
+from .prefix_publisher import PrefixPublisher
+from .prompts import chat_token_ids
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
@@ -38,6 +40,7 @@ class EngineReplica:
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
+        self.prefix = PrefixPublisher(self.llm.engine.cache.allocator)  # cached prefix blocks, for the router
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
@@ -45,10 +48,7 @@ class EngineReplica:
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         prompt = request.prompt
         if request.messages is not None:
-            prompt = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
-            if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
-                prompt = list(prompt["input_ids"])
+            prompt = chat_token_ids(self.tokenizer, request.messages)  # what the prefix router hashes too
         prompt_tokens = None
         async for delta in self.engine.generate(prompt, params, request.request_id):
             output = delta.output
@@ -81,7 +81,7 @@ class EngineReplica:
         free = stats.free_blocks + self._growable_blocks() - self._blocks_promised()
         return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: self._max_blocks(),
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
-                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time()}
+                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(), **self.prefix.routing_stats()}
 
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""

@@ -135,6 +135,14 @@ class Ledger:
 
 
 @dataclass(slots=True, frozen=True)
+class Placement:
+    """What a request would cost on one replica, for the ranking."""
+
+    need: int  # blocks it takes there; the replica fits it when its effective free blocks cover this
+    affinity: float = 0.0  # taken off the replica's score (lower ranks first): what it saves there
+
+
+@dataclass(slots=True, frozen=True)
 class Reservation:
     """Blocks reserved on a replica when it was chosen for a request, before the replica accepted it."""
 
@@ -271,13 +279,14 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
                 unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
                 continue
             free = report.free_blocks - ledger.unreported_blocks
-            need = blocks_needed(tokens, report.block_size)
+            placement = self._placement(replica, report, free, tokens, pending_request)
+            need = placement.need
             could_ever_fit |= report.total_blocks <= 0 or need <= report.total_blocks
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
                 load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
                 used = 1 - free / report.total_blocks if report.total_blocks > 0 else 0.0
-                fits.append((used, load, free, replica))
+                fits.append((used - placement.affinity, load, free, replica))
             else:
                 short.append(((need - free, report.load, random.random()), replica))
         if not fits and not unknown and could_ever_fit and self._hold(pending_request, now):
@@ -362,10 +371,20 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         report = read_report(replica.routing_stats) if replica is not None else None
         if report is not None:
             ledger.observe(report)
-        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
-        entry = ledger.reserve(now, blocks_needed(request_tokens(pending_request), block_size))
+        entry = ledger.reserve(now, self._reserved_blocks(pending_request, replica_id, report))
         reservation = self._reservations[id(pending_request)] = Reservation(pending_request, replica_id, entry)
         return reservation
+
+    def _placement(self, replica: RunningReplica, report: Report, free: int, tokens: int | None,
+                   pending_request: PendingRequest | None) -> Placement:
+        """The blocks the request takes on a replica with a fresh report, and what its score loses
+        (subclasses that know more than the request's size: prefix_router.py)."""
+        return Placement(need=blocks_needed(tokens, report.block_size))
+
+    def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
+        """Blocks the ledger takes off the replica the request was chosen for."""
+        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
+        return blocks_needed(request_tokens(pending_request), block_size)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ledger = self._ledgers.get(replica_id)

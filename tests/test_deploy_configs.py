@@ -32,7 +32,7 @@ def test_app_args_are_checked():
         AppArgs(device="tpu")
     with pytest.raises(ValueError, match="min_replicas=3, max_replicas=2"):
         AppArgs(min_replicas=3, max_replicas=2)
-    with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, power_of_two"):
+    with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, prefix, power_of_two"):
         AppArgs(router="random")
     with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false"):
         AppArgs(compile_model="yes")

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from .blocks import Allocation, Block, NoRoom, chain_hash
+from .prefix_events import PrefixEventLog
 
 
 @dataclass(slots=True)
@@ -42,6 +43,7 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[object, _SeqState] = {}
+        self.prefix_events: PrefixEventLog | None = None  # attached by whoever publishes the cache's content
 
     # ------------------------------------------------------------------ queries
     @property
@@ -108,7 +110,7 @@ class BlockAllocator:
         hits: list[int] = []
         prev_hash: int | None = None
         limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching:  # the chain prefix_block_hashes (blocks.py) computes elsewhere
             for start in range(0, limit - bs + 1, bs):
                 block_tokens = tuple(token_ids[start : start + bs])
                 h = chain_hash(prev_hash, block_tokens)
@@ -167,8 +169,10 @@ class BlockAllocator:
         full = min(num_computed_tokens, state.num_tokens) // self.block_size
         for index in range(state.num_committed, full):
             block = self.blocks[state.block_ids[index]]
-            if self.enable_prefix_caching and block.hash is not None:
-                self._hash_to_block.setdefault(block.hash, block.block_id)
+            if self.enable_prefix_caching and block.hash is not None \
+                    and self._hash_to_block.setdefault(block.hash, block.block_id) == block.block_id \
+                    and self.prefix_events is not None:
+                self.prefix_events.record(block.hash, stored=True)
         state.num_committed = max(state.num_committed, full)
 
     def replace_token(self, seq_id, position: int, token: int) -> None:
@@ -251,7 +255,7 @@ class BlockAllocator:
         for block_id in range(new_total, self.num_blocks):
             if block_id in self._evictable:
                 del self._evictable[block_id]
-                del self._hash_to_block[self.blocks[block_id].hash]
+                self._forget_hash(self.blocks[block_id].hash)
         del self.blocks[new_total:]
         self._free = [b for b in self._free if b < new_total]
         heapq.heapify(self._free)
@@ -261,7 +265,7 @@ class BlockAllocator:
         dropped = 0
         while dropped < count and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self.blocks[block_id].hash]
+            self._forget_hash(self.blocks[block_id].hash)
             self.blocks[block_id].reset()
             heapq.heappush(self._free, block_id)
             dropped += 1
@@ -338,6 +342,11 @@ class BlockAllocator:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"seq_id={seq_id!r} is not allocated") from None
+
+    def _forget_hash(self, block_hash: int) -> None:
+        del self._hash_to_block[block_hash]
+        if self.prefix_events is not None:
+            self.prefix_events.record(block_hash, stored=False)
 
     def _last_block_is_shared_partial(self, state: _SeqState) -> bool:
         return (state.num_tokens % self.block_size != 0

@@ -87,6 +87,24 @@ def load_model(
     return _ready(model, tokenizer)
 
 
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer load_model would return for `name_or_path`, without loading the weights
+    (a router tokenizes prompts the way the engine will). Same arguments and errors."""
+    from transformers import AutoTokenizer
+
+    source = model_source(name_or_path)
+    if source is None:
+        tokenizer = AutoTokenizer.from_pretrained(default_checkpoint(), local_files_only=True)
+    elif isinstance(source, str):  # a hub id: the hub cache, as load_model reads it
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    elif source.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, local_files_only=True)
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
 def cache_dir() -> Path:
     """Ponytail's cache root: $PONYTAIL_CACHE_DIR, $XDG_CACHE_HOME/ponytail or ~/.cache/ponytail."""
     root = os.environ.get(CACHE_ENV)
