@@ -15,6 +15,7 @@ from .models.loader import load_model
 from .engine.request import RequestOutput
 from .sampling.params import SamplingParams
 from .utils.units import format_bytes, is_seconds, parse_bytes
+from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -66,7 +67,7 @@ class LLM:
         memory = self._kv_memory(kv_cache_memory, device)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
-        config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
+        config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,

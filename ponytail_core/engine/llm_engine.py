@@ -28,6 +28,7 @@ from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
+from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -213,7 +214,7 @@ class LLMEngine:
         """The pool's maintenance: every MAINTAIN_EVERY steps, and from AsyncLLM when idle (so
         memory spare for `cache.release_after_s` goes back even when no step runs)."""
         # Decoding requests take at most a block each per block_size steps until the next run.
-        per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+        per_request = cdiv(self.MAINTAIN_EVERY, self.cache.config.block_size)
         self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
 
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 from ..kv.paged_cache import PagedKVCache
 from .request import Request, RequestStatus
+from ..utils.arith import cdiv
 
 
 @dataclass(slots=True)
@@ -63,8 +64,8 @@ class Scheduler:
                               f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}")
         bs = self.cache.config.block_size
         capacity = self.cache.max_chunks * self.cache.storage.chunk_blocks
-        if -(-need // bs) > capacity:
-            raise ConfigError(f"prompt + max_tokens = {need} tokens needs {-(-need // bs)} KV blocks, but the whole "
+        if cdiv(need, bs) > capacity:
+            raise ConfigError(f"prompt + max_tokens = {need} tokens needs {cdiv(need, bs)} KV blocks, but the whole "
                               f"cache holds {capacity}; raise kv_cache_memory or lower max_tokens")
 
     def add(self, request: Request) -> None:

@@ -17,6 +17,8 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..utils.arith import cdiv
+
 
 @dataclass(slots=True)
 class Block:
@@ -157,7 +159,7 @@ class BlockAllocator:
                     break
                 hits.append(block_id)
                 prev_hash = h
-        num_new = -(-len(token_ids) // bs) - len(hits)
+        num_new = cdiv(len(token_ids), bs) - len(hits)
         reusable = sum(1 for b in hits if b in self._evictable)
         if num_new > self.num_free - reusable:
             return NoRoom(needed=num_new, free=self.num_free - reusable)
@@ -175,7 +177,7 @@ class BlockAllocator:
     def blocks_needed_to_append(self, seq_id, num_tokens: int) -> int:
         state = self._state(seq_id)
         bs = self.block_size
-        new_blocks = -(-(state.num_tokens + num_tokens) // bs) - len(state.block_ids)
+        new_blocks = cdiv(state.num_tokens + num_tokens, bs) - len(state.block_ids)
         cow = 1 if self._last_block_is_shared_partial(state) and num_tokens > 0 else 0
         return new_blocks + cow
 
@@ -347,7 +349,7 @@ class BlockAllocator:
                     problems.append(f"seq {seq_id!r} holds out-of-range block {block_id}")
                     continue
                 expected_refs[block_id] += 1
-            if len(state.block_ids) != -(-state.num_tokens // self.block_size):
+            if len(state.block_ids) != cdiv(state.num_tokens, self.block_size):
                 problems.append(f"seq {seq_id!r}: {len(state.block_ids)} blocks for {state.num_tokens} tokens")
             if len(state.partial_tokens) != state.num_tokens % self.block_size:
                 problems.append(f"seq {seq_id!r}: partial tokens out of step with its length")

@@ -13,6 +13,7 @@ from ..utils.dtypes import dtype_name, resolve_dtype
 from ..utils.dtypes import dtype_size as _itemsize
 from ..errors import ConfigError
 from ..utils.units import parse_bytes
+from ..utils.arith import cdiv
 
 _DEVICES = '"cpu", "cuda", "cuda:N"'
 
@@ -151,7 +152,7 @@ class CacheConfig:
     @property
     def blocks_per_seq(self) -> int:
         """Blocks a sequence of max_seq_len tokens needs."""
-        return -(-self.max_seq_len // self.block_size)
+        return cdiv(self.max_seq_len, self.block_size)
 
     @property
     def max_num_blocks(self) -> int:

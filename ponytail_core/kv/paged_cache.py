@@ -16,6 +16,8 @@ from . import cache_ops
 from .block_allocator import Allocation, BlockAllocator, NoRoom
 from .config import CacheConfig
 from .storage import PagedKVStorage
+from ..utils.arith import cdiv
+from ..utils.device import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +171,7 @@ class PagedKVCache:
 
     def spare_chunks(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
         """Tail chunks shrink() would release now."""
-        needed = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // self.storage.chunk_blocks))
+        needed = max(min_chunks, cdiv(self.allocator.num_used + keep_free_blocks, self.storage.chunk_blocks))
         return max(0, self.num_chunks - needed)
 
     @property
@@ -229,7 +231,7 @@ class PagedKVCache:
     def _grow_for(self, no_room: NoRoom) -> bool:
         """Grow enough for a refused request if the budget allows it; True if it grew."""
         missing = no_room.needed - no_room.free
-        chunks = -(-missing // self.storage.chunk_blocks)
+        chunks = cdiv(missing, self.storage.chunk_blocks)
         if self.num_chunks + chunks > self.max_chunks:
             return False
         return self.grow(chunks) == chunks
@@ -237,10 +239,7 @@ class PagedKVCache:
     def _slot_tensor(self, slots) -> torch.Tensor:
         if isinstance(slots, torch.Tensor):
             return slots.to(device=self.storage.device, dtype=torch.int64)
-        tensor = torch.tensor(slots, dtype=torch.int64)
-        if self.storage.device.type == "cuda":
-            tensor = tensor.pin_memory().to(self.storage.device, non_blocking=True)
-        return tensor
+        return to_device(torch.tensor(slots, dtype=torch.int64), self.storage.device)
 
     def __repr__(self) -> str:
         c, s = self.config, self.stats()

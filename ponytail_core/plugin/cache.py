@@ -19,6 +19,7 @@ from ..kv.config import CacheConfig
 from ..errors import ConfigError
 from ..attention.paged import paged_attention
 from ..kv.paged_cache import PagedKVCache
+from ..utils.device import to_device
 
 TAG = "_ponytail_cache"  # attribute set on the key tensor update() returns
 
@@ -233,10 +234,10 @@ class PonytailCache(PagedCacheBase):
         lens = torch.tensor([self.paged.seq_len(row) for row in range(batch)], dtype=torch.int32)
         self.step = StepMetadata(
             query_len=query_len,
-            slot_mapping=_to_device(torch.tensor(slots, dtype=torch.int64), device),
-            block_tables=_to_device(table_tensor, device),
-            seq_lens=_to_device(lens, device),
-            query_lens=_to_device(torch.tensor(counts, dtype=torch.int32), device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
+            block_tables=to_device(table_tensor, device),
+            seq_lens=to_device(lens, device),
+            query_lens=to_device(torch.tensor(counts, dtype=torch.int32), device),
             new_valid=new_valid, has_context=has_context)
         self._mid_step = True
         return self.step
@@ -267,9 +268,3 @@ def attention_without_context(query, key, value, new_valid, scale) -> torch.Tens
     mask |= torch.eye(t, dtype=torch.bool, device=query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out * new_valid[:, None, :, None].to(out.dtype)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

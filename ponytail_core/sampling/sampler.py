@@ -24,6 +24,7 @@ from numbers import Integral
 import numpy as np
 import torch
 
+from ..utils.device import to_device
 from .params import SamplingParams
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (row index, token id), flat, int64, on the device
@@ -36,15 +37,8 @@ def request_generator(params: SamplingParams, device: torch.device | str) -> tor
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on device: pinned and copied without blocking when headed to CUDA."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _to(torch.tensor(data, dtype=dtype), device)
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 def _pairs(ids: list[list[int]], device: torch.device) -> tuple[Pairs, int]:
@@ -54,7 +48,7 @@ def _pairs(ids: list[list[int]], device: torch.device) -> tuple[Pairs, int]:
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths))
     largest = int(flat.max()) if flat.size else -1
-    return (_to(rows, device), _to(torch.from_numpy(flat), device)), largest
+    return (to_device(rows, device), to_device(torch.from_numpy(flat), device)), largest
 
 
 @dataclass
