@@ -71,9 +71,8 @@ class LLM:
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                async_scheduling=async_scheduling)
-        self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
-        self.engine.cache.release_after_s = float(kv_release_after_s)
+                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                                kv_release_after_s=float(kv_release_after_s))
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 

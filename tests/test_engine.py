@@ -285,7 +285,7 @@ def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay
 
     grown, held, after = asyncio.run(main())
     assert grown > 1 and held == grown and after < grown
-    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.storage.chunk_blocks) == 0
+    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.chunk_blocks) == 0
     assert cache.invariants() == []
 
 

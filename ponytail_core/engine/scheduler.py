@@ -50,7 +50,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.watermark_blocks = int(watermark * cache.max_chunks * cache.storage.chunk_blocks)
+        self.watermark_blocks = int(watermark * cache.max_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -63,7 +63,7 @@ class Scheduler:
             raise ConfigError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
                               f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}")
         bs = self.cache.config.block_size
-        capacity = self.cache.max_chunks * self.cache.storage.chunk_blocks
+        capacity = self.cache.max_blocks
         if cdiv(need, bs) > capacity:
             raise ConfigError(f"prompt + max_tokens = {need} tokens needs {cdiv(need, bs)} KV blocks, but the whole "
                               f"cache holds {capacity}; raise kv_cache_memory or lower max_tokens")
@@ -148,8 +148,7 @@ class Scheduler:
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        slot = self.cache.allocator.slot
-        slots = [slot(request.request_id, p) for p in range(start, start + n)]
+        slots = self.cache.slots(request.request_id, start, start + n)
         return ScheduledChunk(request=request, start=start, num_tokens=n, slots=slots)
 
     def _preempt(self, request: Request) -> None:

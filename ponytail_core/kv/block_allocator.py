@@ -127,8 +127,10 @@ class BlockAllocator:
     def seq_ids(self) -> list:
         return list(self._seqs)
 
-    def block_table(self, seq_id) -> list[int]:
-        return list(self._state(seq_id).block_ids)
+    def block_table(self, seq_id, num_tokens: int | None = None) -> list[int]:
+        """The sequence's blocks; with num_tokens, only those its first num_tokens tokens use."""
+        block_ids = self._state(seq_id).block_ids
+        return list(block_ids) if num_tokens is None else block_ids[: cdiv(num_tokens, self.block_size)]
 
     def seq_len(self, seq_id) -> int:
         return self._state(seq_id).num_tokens
@@ -136,6 +138,11 @@ class BlockAllocator:
     def slot(self, seq_id, position: int) -> int:
         state = self._state(seq_id)
         return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id, start: int, stop: int) -> list[int]:
+        """slot(seq_id, p) for p in start .. stop - 1."""
+        block_ids, bs = self._state(seq_id).block_ids, self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop)]
 
     # ------------------------------------------------------------- allocation
     def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:

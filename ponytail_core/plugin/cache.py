@@ -162,10 +162,8 @@ class PonytailCache(PagedCacheBase):
     """
 
     def __init__(self, config: CacheConfig):
-        paged = PagedKVCache(config)
         # The plug-in addresses rows by position, never by content: no prefix hashing.
-        paged.allocator.enable_prefix_caching = False
-        super().__init__(paged)
+        super().__init__(PagedKVCache(config, enable_prefix_caching=False))
         self.seen_tokens = 0
         self.step: StepMetadata | None = None
         self._rows = 0
@@ -221,7 +219,7 @@ class PonytailCache(PagedCacheBase):
         slots: list[int] = []
         for row, count in enumerate(counts):
             placeholder = [0] * count  # token ids matter only for prefix hashing, which is off here
-            fresh = not self.paged.allocator.has_seq(row)
+            fresh = not self.paged.has_seq(row)
             result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
             if not result:
                 raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "

@@ -70,9 +70,8 @@ class ModelRunner:
                 raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
             fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
         sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
-        allocator = self.hf_cache.paged.allocator
-        tables = [allocator.block_table(c.request.request_id)[: cdiv(c.start + c.num_tokens, self.block_size)]
-                  for c in ordered]
+        paged = self.hf_cache.paged
+        tables = [paged.block_table(c.request.request_id, c.start + c.num_tokens) for c in ordered]
         if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
             logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
             return self._pick(logits, sample_at).float()
