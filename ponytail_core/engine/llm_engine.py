@@ -27,7 +27,8 @@ from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
+from ..runner.inputs import ScheduledChunk
+from .scheduler import Scheduler
 from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")

@@ -16,27 +16,14 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from ..kv.paged_cache import PagedKVCache
+from ..runner.inputs import ScheduledChunk
 from .request import Request, RequestStatus
 from ..utils.arith import cdiv
 
 
 @dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the first token computed in this step
-    num_tokens: int  # tokens computed in this step
-    slots: list[int]  # cache slot of each of those tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last known token: a new token is sampled after it."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
 class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
+    chunks: list[ScheduledChunk]  # running requests first (oldest first), then the ones admitted
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +83,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -106,9 +93,8 @@ class Scheduler:
             if not self._reserve_next(request):
                 if step_in_flight:
                     return None
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                preempted.append(victim)
+                self._preempt(self.running.pop())  # the newest
+                preempted = True
                 continue  # retry the same request (or stop if it was the victim)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
@@ -116,7 +102,7 @@ class Scheduler:
             i += 1
         if not preempted:
             self._admit(chunks, budget)
-        return SchedulerOutput(chunks=chunks, preempted=preempted)
+        return SchedulerOutput(chunks=chunks)
 
     def _reserve_next(self, request: Request) -> bool:
         """Slots for tokens the request has but the cache has not reserved (the last sampled one)."""

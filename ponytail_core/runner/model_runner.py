@@ -8,7 +8,7 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from ..kv.paged_cache import PagedKVCache
-from ..engine.scheduler import ScheduledChunk
+from .inputs import ScheduledChunk
 from ..utils.arith import cdiv
 from ..utils.device import to_device
 
