@@ -15,7 +15,7 @@ from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
 from .async_llm import AsyncLLM, RequestDelta  # noqa: E402
 from .plugin.cache import PonytailCache  # noqa: E402
 from .llm import LLM  # noqa: E402
-from .engine.llm_engine import EngineStats  # noqa: E402
+from .engine.stats import EngineStats  # noqa: E402
 from .models.loader import load_model  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402

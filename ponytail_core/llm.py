@@ -10,7 +10,8 @@ import torch
 
 from .kv.config import CacheConfig
 from .errors import ConfigError
-from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.llm_engine import LLMEngine
+from .engine.stats import EngineStats
 from .models.loader import load_model
 from .engine.request import RequestOutput
 from .sampling.params import SamplingParams
@@ -35,8 +36,8 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
-                 kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | str | None = None, block_size: int = 16,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool = False, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0):
@@ -79,6 +80,21 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens a request may have."""
+        return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.cache.config.block_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its KV cache live."""
+        return self.engine.cache.config.device
 
     @staticmethod
     def _kv_memory(kv_cache_memory, device: torch.device) -> int:

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from ..kv.paged_cache import PagedKVCache
 from ..runner.inputs import ScheduledChunk
 from .request import Request, RequestStatus
+from .stats import BlockPromises
 from ..utils.arith import cdiv
 
 
@@ -41,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.promises = BlockPromises(cache.config.block_size)  # kept as requests come, run and go
 
     # ------------------------------------------------------------- requests
     def check_fits(self, request: Request) -> None:
@@ -58,14 +60,17 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.check_fits(request)
         self.waiting.append(request)
+        self.promises.queued(request)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and give its blocks back."""
         if request in self.running:
             self.running.remove(request)
             self.cache.free(request.request_id)
+            self.promises.left(request, running=True)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self.promises.left(request, running=False)
 
     @property
     def has_work(self) -> bool:
@@ -128,6 +133,7 @@ class Scheduler:
             if request.metrics.num_preemptions == 0:
                 request.metrics.num_cached_prompt_tokens = result.num_cached_tokens
             self.running.append(request)
+            self.promises.started(request)
             n = min(len(tokens) - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
             budget -= n
@@ -144,3 +150,4 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.promises.preempted(request)
