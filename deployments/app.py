@@ -18,7 +18,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ponytail.utils.units import is_seconds
+from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
 
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
@@ -40,7 +40,7 @@ class AppArgs:
     kv_cache_memory: int | str | None = None  # per replica; None: what the device has free
     max_num_seqs: int = 64
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     min_replicas: int = 1
     max_replicas: int = 2
     target_ongoing_requests: float = 16

@@ -24,7 +24,7 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None,
-                 block_size: int = 16, model_id: str | None = None,
+                 block_size: int = ponytail.DEFAULT_BLOCK_SIZE, model_id: str | None = None,
                  compile_model: bool = False, stream_interval_s: float = 0.0):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)

@@ -8,7 +8,7 @@ from .utils.compat import check_transformers
 check_transformers()
 
 from .kv.block_allocator import Allocation, NoRoom  # noqa: E402
-from .kv.config import CacheConfig  # noqa: E402
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
 from .errors import ConfigError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
@@ -20,6 +20,7 @@ from .models.loader import load_model  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
+from .utils.units import is_seconds  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "ConfigError",
+    "DEFAULT_BLOCK_SIZE",
     "DefragResult",
     "KVEstimate",
     "KernelError",
@@ -44,5 +46,6 @@ __all__ = [
     "PonytailError",
     "create_cache",
     "estimate_kv_cache",
+    "is_seconds",
     "load_model",
 ]

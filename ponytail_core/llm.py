@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .kv.config import CacheConfig
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
 from .engine.llm_engine import LLMEngine
 from .engine.stats import EngineStats
@@ -36,7 +36,7 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
-                 kv_cache_memory: int | str | None = None, block_size: int = 16,
+                 kv_cache_memory: int | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool = False, async_scheduling: bool | None = None,
