@@ -27,18 +27,18 @@ from .replica import EngineReplica
 class OpenAIIngress:
     """HTTP front: the OpenAI API (openai_api.build_app) over the engine replicas."""
 
-    def __init__(self, engine: DeploymentHandle):
-        self.engine = engine
+    def __init__(self, engine_handle: DeploymentHandle):
+        self.engine_handle = engine_handle  # to the EngineReplica deployment (its router picks the replica)
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
         return build_app(self)
 
     async def model_info(self) -> ModelInfo:
-        return await self.engine.model_info.remote()
+        return await self.engine_handle.model_info.remote()
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        response = self.engine.options(stream=True).generate.remote(request)
+        response = self.engine_handle.options(stream=True).generate.remote(request)
         self._streams[request.request_id] = response
         finished = False
         try:
@@ -95,7 +95,7 @@ def build(args: AppArgs | dict | None = None):
     AppArgs itself only when the annotation is a class, not this module's postponed string."""
     settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
-    engine = serve.deployment(
+    engine_deployment = serve.deployment(
         EngineReplica,
         name="EngineReplica",
         ray_actor_options={"num_gpus": 1 if gpu else 0, "num_cpus": 1},
@@ -115,4 +115,4 @@ def build(args: AppArgs | dict | None = None):
     # holds its slot while it streams): let the ingress take what the engines can run and queue.
     ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.max_num_seqs * 2
                                     + settings.max_queued_requests)
-    return ingress.bind(engine.bind(**engine_args))
+    return ingress.bind(engine_deployment.bind(**engine_args))

@@ -14,6 +14,8 @@ from typing import ClassVar
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
+
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
     "prefix": "deployments.prefix_router:PrefixAffinityRouter",  # kv_blocks plus prefix-cache affinity
@@ -40,7 +42,7 @@ class AppArgs(BaseModel):
     max_num_seqs: int = Field(64, description="sequences one replica runs at once")
     max_model_len: int | None = Field(None, description="longest prompt + output in tokens; unset: "
                                       "the model's")
-    block_size: int = Field(16, description="tokens per KV block")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, description="tokens per KV block")
     min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
     max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
     target_ongoing_requests: float = Field(16, description="requests per replica the autoscaler aims at")
@@ -89,7 +91,7 @@ class AppArgs(BaseModel):
     @field_validator("max_hold_s")
     @classmethod
     def _max_hold(cls, value: float) -> float:
-        if not _seconds(value):
+        if not is_seconds(value):
             raise ValueError(f"max_hold_s={value:g} is not supported; allowed: seconds >= 0 (0: never hold)")
         return value
 
@@ -103,7 +105,7 @@ class AppArgs(BaseModel):
     @field_validator("stream_interval_s")
     @classmethod
     def _stream_interval(cls, value: float) -> float:
-        if not _seconds(value, most=1):
+        if not is_seconds(value, most=1):
             raise ValueError(f"stream_interval_s={value:g} is not supported; allowed: seconds from 0 to 1 "
                              "(0: a message per engine step)")
         return value
@@ -131,7 +133,3 @@ class AppArgs(BaseModel):
         if os.path.exists(os.path.expanduser(self.model)):
             return os.path.basename(self.model.rstrip("/"))
         return self.model
-
-
-def _seconds(value: float, most: float = math.inf) -> bool:
-    return math.isfinite(value) and 0 <= value <= most

@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from ponytail import DEFAULT_BLOCK_SIZE, SamplingParams, is_seconds
+
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateRequest)
 
-DEFAULT_MAX_TOKENS = 16  # ponytail.SamplingParams' default, used when the request leaves it out
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens  # used when the request leaves it out, as the replica does
 
 
 @dataclass(slots=True, frozen=True)
@@ -228,7 +230,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """How often a held request looks again: completions seen here free blocks at once, reports
     arrive every stats period."""
 
-    FALLBACK_BLOCK_SIZE = 16
+    FALLBACK_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
     """Converts a send to blocks before the replica has ever reported its block size."""
 
     _HELD_SINCE = "ponytail_held_since"  # attribute set on a held request's routing_context
@@ -413,8 +415,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
 
 def _seconds(name: str, value: Any, allow_zero: bool) -> float:
     """A request_router_kwargs duration, checked."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (number and (value >= 0 if allow_zero else value > 0)):
+    if not is_seconds(value) or (value == 0 and not allow_zero):
         raise ValueError(f"request_router_kwargs {name}={value!r}; expected seconds "
                          f"{'>= 0' if allow_zero else '> 0'}")
     return float(value)

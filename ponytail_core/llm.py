@@ -8,13 +8,15 @@ from typing import Any
 
 import torch
 
-from .kv.config import CacheConfig
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
-from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.llm_engine import LLMEngine
+from .engine.stats import EngineStats
 from .models.loader import load_model
 from .engine.request import RequestOutput
 from .sampling.params import SamplingParams
 from .utils.units import format_bytes, is_seconds, parse_bytes
+from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -34,8 +36,8 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
-                 kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool = False, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0):
@@ -66,19 +68,33 @@ class LLM:
         memory = self._kv_memory(kv_cache_memory, device)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
-        config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
+        config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                async_scheduling=async_scheduling)
-        self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
-        self.engine.cache.release_after_s = float(kv_release_after_s)
+                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                                kv_release_after_s=float(kv_release_after_s))
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens a request may have."""
+        return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.cache.config.block_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its KV cache live."""
+        return self.engine.cache.config.device
 
     @staticmethod
     def _kv_memory(kv_cache_memory, device: torch.device) -> int:

@@ -55,6 +55,20 @@ def make_llm(small_model, **kwargs):
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
+def walked_promised_blocks(engine) -> int:
+    """Blocks promised, by walking the scheduler's lists (what the Serve replica computed before
+    the engine kept the count): a waiting request still takes all of prompt + max_tokens, a
+    running one what its tokens so far do not fill."""
+    block_size = engine.cache.config.block_size
+    promised = 0
+    for requests, running in ((engine.scheduler.waiting, False), (engine.scheduler.running, True)):
+        for r in requests:
+            need = -(-(len(r.prompt_token_ids) + r.params.max_tokens) // block_size)
+            held = -(-r.num_tokens // block_size) if running else 0
+            promised += max(0, need - held)
+    return promised
+
+
 def test_greedy_batch_of_mixed_lengths_equals_plain_generate(small_model):
     llm = make_llm(small_model)
     prompts = random_prompts(10)
@@ -84,6 +98,25 @@ def test_a_small_budget_forces_preemption_and_defragmentation_without_changing_o
     assert stats.used_blocks == 0 and llm.engine.cache.invariants() == []
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_counts_promised_blocks_through_preemption(small_model, async_scheduling):
+    # 64 blocks of 4 tokens; 8 sequences growing to ~70 tokens each need ~140: preemption is certain.
+    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    for prompt in random_prompts(8, seed=1, low=20, high=40):
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    cache = engine.cache
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats()
+        assert stats.promised_blocks == walked_promised_blocks(engine)
+        growable = (cache.max_chunks - cache.num_chunks) * cache.storage.chunk_blocks
+        assert stats.admissible_blocks == cache.allocator.num_free + growable
+        assert stats.max_blocks == cache.max_chunks * cache.storage.chunk_blocks == 64
+    assert engine.stats().num_preemptions > 0 and engine.stats().promised_blocks == 0
+
+
 def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_model):
     llm = make_llm(small_model, max_num_seqs=16)
     engine = llm.engine
@@ -91,14 +124,18 @@ def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_mo
     prompts = random_prompts(300, seed=3, low=1, high=30)
     requests = [engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.8, seed=i))
                 for i, p in enumerate(prompts)]
+    assert engine.stats().promised_blocks == walked_promised_blocks(engine) > 0
     steps = 0
     while engine.has_unfinished():
         engine.step()
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         steps += 1
         for request in rng.sample(requests, 3):
             if rng.random() < 0.2:
                 engine.abort(request.request_id)
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         assert engine.cache.invariants() == [] if steps % 25 == 0 else True
+    assert engine.stats().promised_blocks == 0
     assert all(r.finished for r in requests)
     assert {r.finish_reason for r in requests} <= {"length", "stop", "abort"}
     assert any(r.finish_reason == "abort" for r in requests)
@@ -285,7 +322,7 @@ def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay
 
     grown, held, after = asyncio.run(main())
     assert grown > 1 and held == grown and after < grown
-    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.storage.chunk_blocks) == 0
+    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.chunk_blocks) == 0
     assert cache.invariants() == []
 
 

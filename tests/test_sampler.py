@@ -211,7 +211,6 @@ def test_logprobs_are_the_raw_log_softmax():
     assert values.shape == ids.shape == (4, 5)
     torch.testing.assert_close(values, raw.topk(5, -1).values)
     torch.testing.assert_close(raw.gather(1, ids), values)
-    assert out.ranks.tolist() == [(raw[i] > chosen[i]).sum().item() + 1 for i in range(4)]
     assert sample(logits, batch_of([SP()] * 4)).top_logprobs is None
 
 

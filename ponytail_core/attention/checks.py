@@ -12,6 +12,7 @@ import torch
 
 from ..errors import KernelError
 from ..kv.storage import PagedKVStorage
+from ..utils.arith import cdiv
 
 
 def check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
@@ -74,7 +75,7 @@ def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> Non
         if n > 0 and real > n:
             raise KernelError(f"row {b} has {real} real query tokens but seq_lens[{b}]={n}: the cache "
                               "must already hold every new token's K/V (write them first)")
-        ids = block_tables[b, : -(-n // block_size)]
+        ids = block_tables[b, : cdiv(n, block_size)]
         bad = ids[(ids < 0) | (ids >= storage.num_blocks)]
         if bad.numel():
             raise KernelError(f"block_tables[{b}] holds block ids {bad[:8].tolist()} outside the pool's "

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from ..errors import ConfigError
-from ..plugin.cache import TAG
+from .hf_cache_base import TAG
 
 ATTN_IMPLEMENTATION = "ponytail"
 

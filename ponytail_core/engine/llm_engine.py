@@ -27,29 +27,12 @@ from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
+from ..runner.inputs import ScheduledChunk
+from .scheduler import Scheduler
+from .stats import EngineStats
+from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    total_blocks: int  # blocks the pool holds now
-    free_blocks: int  # allocatable now, evictable prefix blocks included
-    used_blocks: int  # held by live requests
-    num_running: int
-    num_waiting: int
-    fragmentation: float
-    num_preemptions: int
-    num_defragmentations: int  # pool compactions that moved blocks
-    num_blocks_moved: int  # blocks those compactions copied
-    prefix_cache_queries: int  # prompt tokens admitted
-    prefix_cache_hits: int  # of those, served from cached blocks
-    allocated_bytes: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(slots=True)
@@ -78,15 +61,19 @@ class _Launched:
 class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
-    Outputs are the same as without it."""
+    Outputs are the same as without it. enable_prefix_caching and kv_release_after_s go to the
+    pool (PagedKVCache's enable_prefix_caching and release_after_s)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
-                 compile_model: bool = False, async_scheduling: bool = False):
+                 compile_model: bool = False, async_scheduling: bool = False,
+                 enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0):
         self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache(cache_config)
+        self.max_model_len = max_model_len
+        self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
+                                  enable_prefix_caching=enable_prefix_caching)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)
@@ -213,7 +200,7 @@ class LLMEngine:
         """The pool's maintenance: every MAINTAIN_EVERY steps, and from AsyncLLM when idle (so
         memory spare for `cache.release_after_s` goes back even when no step runs)."""
         # Decoding requests take at most a block each per block_size steps until the next run.
-        per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+        per_request = cdiv(self.MAINTAIN_EVERY, self.cache.config.block_size)
         self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
 
     def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
@@ -245,10 +232,12 @@ class LLMEngine:
         result = sample(logits, batch)
         host = result.to_host(with_logprobs=batch.max_logprobs is not None)
         indexes = []
+        promises = self.scheduler.promises
         for row, request in enumerate(requests):
             indexes.append(len(request.output_token_ids))
             request.output_token_ids.append(PLACEHOLDER_TOKEN)
             request.pending_row = row
+            promises.grew(request)
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
 
     def _finish_in_flight(self) -> list[StepOutput]:
@@ -337,8 +326,12 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
 
     def stats(self) -> EngineStats:
+        """Plain counters: any thread may call it without waiting for a step (the numbers are
+        those of the engine's latest change; a report a step stale is corrected by the next)."""
         s = self.cache.stats()
-        return EngineStats(total_blocks=s.total_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
+        return EngineStats(total_blocks=s.total_blocks, max_blocks=s.max_blocks, free_blocks=s.free_blocks,
+                           admissible_blocks=s.free_blocks + self.cache.growable_blocks,
+                           promised_blocks=self.scheduler.promises.total, used_blocks=s.used_blocks,
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
                            num_defragmentations=self.cache.num_defragmentations,

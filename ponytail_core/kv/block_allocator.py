@@ -17,6 +17,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..utils.arith import cdiv
 from .blocks import Allocation, Block, NoRoom, chain_hash
 from .prefix_events import PrefixEventLog
 
@@ -87,8 +88,10 @@ class BlockAllocator:
     def seq_ids(self) -> list:
         return list(self._seqs)
 
-    def block_table(self, seq_id) -> list[int]:
-        return list(self._state(seq_id).block_ids)
+    def block_table(self, seq_id, num_tokens: int | None = None) -> list[int]:
+        """The sequence's blocks; with num_tokens, only those its first num_tokens tokens use."""
+        block_ids = self._state(seq_id).block_ids
+        return list(block_ids) if num_tokens is None else block_ids[: cdiv(num_tokens, self.block_size)]
 
     def seq_len(self, seq_id) -> int:
         return self._state(seq_id).num_tokens
@@ -96,6 +99,11 @@ class BlockAllocator:
     def slot(self, seq_id, position: int) -> int:
         state = self._state(seq_id)
         return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id, start: int, stop: int) -> list[int]:
+        """slot(seq_id, p) for p in start .. stop - 1."""
+        block_ids, bs = self._state(seq_id).block_ids, self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop)]
 
     # ------------------------------------------------------------- allocation
     def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
@@ -119,7 +127,7 @@ class BlockAllocator:
                     break
                 hits.append(block_id)
                 prev_hash = h
-        num_new = -(-len(token_ids) // bs) - len(hits)
+        num_new = cdiv(len(token_ids), bs) - len(hits)
         reusable = sum(1 for b in hits if b in self._evictable)
         if num_new > self.num_free - reusable:
             return NoRoom(needed=num_new, free=self.num_free - reusable)
@@ -137,7 +145,7 @@ class BlockAllocator:
     def blocks_needed_to_append(self, seq_id, num_tokens: int) -> int:
         state = self._state(seq_id)
         bs = self.block_size
-        new_blocks = -(-(state.num_tokens + num_tokens) // bs) - len(state.block_ids)
+        new_blocks = cdiv(state.num_tokens + num_tokens, bs) - len(state.block_ids)
         cow = 1 if self._last_block_is_shared_partial(state) and num_tokens > 0 else 0
         return new_blocks + cow
 
@@ -311,7 +319,7 @@ class BlockAllocator:
                     problems.append(f"seq {seq_id!r} holds out-of-range block {block_id}")
                     continue
                 expected_refs[block_id] += 1
-            if len(state.block_ids) != -(-state.num_tokens // self.block_size):
+            if len(state.block_ids) != cdiv(state.num_tokens, self.block_size):
                 problems.append(f"seq {seq_id!r}: {len(state.block_ids)} blocks for {state.num_tokens} tokens")
             if len(state.partial_tokens) != state.num_tokens % self.block_size:
                 problems.append(f"seq {seq_id!r}: partial tokens out of step with its length")

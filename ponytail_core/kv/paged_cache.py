@@ -17,6 +17,8 @@ from .block_allocator import BlockAllocator
 from .blocks import Allocation, NoRoom
 from .config import CacheConfig
 from .storage import PagedKVStorage
+from ..utils.arith import cdiv
+from ..utils.device import to_device
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +54,10 @@ class PagedKVCache:
     GROW_WHEN_FREE_BELOW = 0.05  # maintain() adds a chunk when free blocks fall under this share
     KEEP_FREE_CHUNKS = 1  # maintain() keeps this many chunks of free headroom when shrinking
 
-    def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0):
+    def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0,
+                 enable_prefix_caching: bool = True):
+        """enable_prefix_caching: full blocks serve later sequences with the same prefix (off for
+        callers that address sequences by position, not content, like the transformers plug-in)."""
         self.config = config
         # maintain() gives chunks back only once the pool has had them spare this long: a server
         # whose bursts come seconds apart keeps its working size instead of regrowing every burst.
@@ -61,7 +66,7 @@ class PagedKVCache:
         chunk_blocks = config.pool_chunk_blocks
         self.max_chunks = config.max_num_blocks // chunk_blocks
         self.storage = PagedKVStorage(config, chunk_blocks, self.max_chunks)
-        self.allocator = BlockAllocator(0, config.block_size)
+        self.allocator = BlockAllocator(0, config.block_size, enable_prefix_caching=enable_prefix_caching)
         self.num_defragmentations = 0  # compactions that moved at least one block
         self.num_blocks_moved = 0  # blocks those compactions copied
         self.num_chunks_released = 0
@@ -110,11 +115,19 @@ class PagedKVCache:
         """A copy of a sequence's K/V, [num_layers, 2, tokens, kv_heads, head_dim] (tests, debugging)."""
         return self.storage.read_tokens(self.allocator.block_table(seq_id), self.allocator.seq_len(seq_id))
 
-    def block_table(self, seq_id) -> list[int]:
-        return self.allocator.block_table(seq_id)
+    def block_table(self, seq_id, num_tokens: int | None = None) -> list[int]:
+        """The sequence's blocks in order; with num_tokens, only those its first num_tokens use."""
+        return self.allocator.block_table(seq_id, num_tokens)
+
+    def slots(self, seq_id, start: int, stop: int) -> list[int]:
+        """Cache slots of the sequence's positions start .. stop - 1."""
+        return self.allocator.slots(seq_id, start, stop)
 
     def seq_len(self, seq_id) -> int:
         return self.allocator.seq_len(seq_id)
+
+    def has_seq(self, seq_id) -> bool:
+        return self.allocator.has_seq(seq_id)
 
     # ------------------------------------------------------------------ pool
     @property
@@ -122,9 +135,29 @@ class PagedKVCache:
         return len(self.storage.chunks)
 
     @property
+    def chunk_blocks(self) -> int:
+        """Blocks per chunk: the pool grows and shrinks by this many."""
+        return self.storage.chunk_blocks
+
+    @property
+    def max_blocks(self) -> int:
+        """The most blocks the memory budget allows."""
+        return self.max_chunks * self.chunk_blocks
+
+    @property
+    def growable_blocks(self) -> int:
+        """Blocks the pool may still grow by within its memory budget."""
+        return (self.max_chunks - self.num_chunks) * self.chunk_blocks
+
+    @property
     def available_blocks(self) -> int:
         """Blocks a request could get now: free, evictable, and what the budget still lets us grow."""
-        return self.allocator.num_free + (self.max_chunks - self.num_chunks) * self.storage.chunk_blocks
+        return self.allocator.num_free + self.growable_blocks
+
+    @property
+    def ptr_table_version(self) -> int:
+        """Changes whenever the chunk pointer table moves (captured CUDA graphs read it in place)."""
+        return self.storage.ptr_table_version
 
     @property
     def fragmentation(self) -> float:
@@ -135,7 +168,7 @@ class PagedKVCache:
         count = max(0, min(num_chunks, self.max_chunks - self.num_chunks))
         if count:
             self.storage.add_chunks(count)
-            self.allocator.grow(count * self.storage.chunk_blocks)
+            self.allocator.grow(count * self.chunk_blocks)
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.storage.allocated_bytes)
         return count
 
@@ -154,7 +187,7 @@ class PagedKVCache:
         chunks. Cached prefix blocks that no longer fit are evicted, least recently used first;
         the rest are compacted below the cut together with the live ones.
         """
-        chunk_blocks = self.storage.chunk_blocks
+        chunk_blocks = self.chunk_blocks
         release = self.spare_chunks(keep_free_blocks, min_chunks)
         if release <= 0:
             return 0
@@ -170,13 +203,13 @@ class PagedKVCache:
 
     def spare_chunks(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
         """Tail chunks shrink() would release now."""
-        needed = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // self.storage.chunk_blocks))
+        needed = max(min_chunks, cdiv(self.allocator.num_used + keep_free_blocks, self.chunk_blocks))
         return max(0, self.num_chunks - needed)
 
     @property
     def _headroom_blocks(self) -> int:
         """Free blocks maintain() keeps when it releases chunks."""
-        return self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks
+        return self.KEEP_FREE_CHUNKS * self.chunk_blocks
 
     def seconds_until_release(self, now: float | None = None) -> float | None:
         """How long until maintain() would give spare chunks back (the count starts now if it had
@@ -215,7 +248,7 @@ class PagedKVCache:
     def stats(self) -> CacheStats:
         a = self.allocator
         return CacheStats(
-            total_blocks=a.num_blocks, max_blocks=self.max_chunks * self.storage.chunk_blocks,
+            total_blocks=a.num_blocks, max_blocks=self.max_blocks,
             free_blocks=a.num_free, used_blocks=a.num_used, evictable_blocks=a.num_evictable,
             num_seqs=len(a.seq_ids()), high_water_mark=a.high_water_mark,
             fragmentation=a.fragmentation, allocated_bytes=self.storage.allocated_bytes)
@@ -230,7 +263,7 @@ class PagedKVCache:
     def _grow_for(self, no_room: NoRoom) -> bool:
         """Grow enough for a refused request if the budget allows it; True if it grew."""
         missing = no_room.needed - no_room.free
-        chunks = -(-missing // self.storage.chunk_blocks)
+        chunks = cdiv(missing, self.chunk_blocks)
         if self.num_chunks + chunks > self.max_chunks:
             return False
         return self.grow(chunks) == chunks
@@ -238,10 +271,7 @@ class PagedKVCache:
     def _slot_tensor(self, slots) -> torch.Tensor:
         if isinstance(slots, torch.Tensor):
             return slots.to(device=self.storage.device, dtype=torch.int64)
-        tensor = torch.tensor(slots, dtype=torch.int64)
-        if self.storage.device.type == "cuda":
-            tensor = tensor.pin_memory().to(self.storage.device, non_blocking=True)
-        return tensor
+        return to_device(torch.tensor(slots, dtype=torch.int64), self.storage.device)
 
     def __repr__(self) -> str:
         c, s = self.config, self.stats()

@@ -8,7 +8,9 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from ..kv.paged_cache import PagedKVCache
-from ..engine.scheduler import ScheduledChunk
+from .inputs import ScheduledChunk
+from ..utils.arith import cdiv
+from ..utils.device import to_device
 
 
 class ModelRunner:
@@ -32,7 +34,7 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, -(-max_model_len // self.block_size))
+                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, cdiv(max_model_len, self.block_size))
                 self.graphs.capture_all()
 
     @torch.inference_mode()
@@ -68,9 +70,8 @@ class ModelRunner:
                 raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
             fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
         sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
-        allocator = self.hf_cache.paged.allocator
-        tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
-                  for c in ordered]
+        paged = self.hf_cache.paged
+        tables = [paged.block_table(c.request.request_id, c.start + c.num_tokens) for c in ordered]
         if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
             logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
             return self._pick(logits, sample_at).float()
@@ -115,7 +116,4 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":  # one pinned, non-blocking copy per tensor
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return to_device(torch.tensor(values, dtype=dtype), self.device)  # one pinned copy per tensor

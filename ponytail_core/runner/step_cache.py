@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
-from ..plugin.cache import PagedCacheBase
+from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
 
 
