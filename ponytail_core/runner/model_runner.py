@@ -19,7 +19,7 @@ class ModelRunner:
                  cuda_graphs: bool = False, compile_model: bool = False):
         self.model = model
         self.device = cache.config.device
-        model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+        hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
         if compile_model:
             from .compile import compile_decoder_layers
 
