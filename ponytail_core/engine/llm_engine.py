@@ -22,10 +22,11 @@ import torch
 from ..kv.config import CacheConfig
 from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from ..errors import ConfigError
-from ..runner.model_runner import ModelRunner
+from ..runner.model_runner import ModelRunner, prompt_logit_positions
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
-from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
+from ..sampling.sampler import (HostSamples, SamplerOutput, SamplingBatch, prompt_logprobs, request_generator,
+                                sample)
 from ..sampling.params import SamplingParams
 from .scheduler import ScheduledChunk, Scheduler
 
@@ -234,6 +235,7 @@ class LLMEngine:
         else:
             logits = self.runner.execute(chunks, prev.result.token_ids)
         requests = [chunk.request for chunk in chunks if chunk.samples]
+        logits = self._record_prompt_logprobs(chunks, logits, len(requests))
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         if not requests:
@@ -250,6 +252,21 @@ class LLMEngine:
             request.output_token_ids.append(PLACEHOLDER_TOKEN)
             request.pending_row = row
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
+
+    @staticmethod
+    def _record_prompt_logprobs(chunks: list[ScheduledChunk], logits, num_sampling: int):
+        """Score the prompt positions this step computed for requests that asked for prompt
+        logprobs (their logits follow the sampling rows); returns the sampling rows."""
+        positions = prompt_logit_positions(chunks)
+        if not positions:
+            return logits
+        requests = [chunk.request for chunk, _ in positions]
+        entries = prompt_logprobs(logits[num_sampling:], [r.prompt_token_ids[p + 1] for r, (_, p) in
+                                                          zip(requests, positions)],
+                                  [r.params.prompt_logprobs for r in requests])
+        for request, entry in zip(requests, entries):
+            request.prompt_logprobs.append(entry)
+        return logits[:num_sampling]
 
     def _finish_in_flight(self) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
@@ -329,7 +346,8 @@ class LLMEngine:
                                       logprobs=request.logprobs)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, metrics=request.metrics, error=request.error)
+                             finished=request.finished, metrics=request.metrics, error=request.error,
+                             prompt_logprobs=request.prompt_logprobs)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""

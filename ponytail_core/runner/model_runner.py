@@ -11,6 +11,19 @@ from ..kv.paged_cache import PagedKVCache
 from ..engine.scheduler import ScheduledChunk
 
 
+def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int]]:
+    """(chunk, position) for each position whose logits score the next prompt token for a
+    request that asked for prompt logprobs (the last prompt position samples instead)."""
+    out = []
+    for chunk in chunks:
+        first = chunk.request.prompt_logits_from
+        if first is None:
+            continue
+        end = min(chunk.start + chunk.num_tokens, len(chunk.request.prompt_token_ids) - 1)
+        out.extend((chunk, p) for p in range(max(chunk.start, first), end))
+    return out
+
+
 class ModelRunner:
     """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
     compile_model: torch.compile the decoder layers around the attention call (compile.py)."""
@@ -37,7 +50,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order.
+        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order,
+        then (only when some chunk's request asked for prompt logprobs) one row per position in
+        prompt_logit_positions(chunks), in that order.
 
         sampled: the previous step's sampled tokens, still on the device (async scheduling). A
         chunk whose request has a pending_row ends with a placeholder; its input is
@@ -68,10 +83,12 @@ class ModelRunner:
                 raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
             fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
         sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
+        prompt_at = [offsets[id(c)] + p - c.start for c, p in prompt_logit_positions(chunks)]
         allocator = self.hf_cache.paged.allocator
         tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
                   for c in ordered]
-        if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
+        sample_at += prompt_at  # never the same position: prompt ones precede each sampling one
+        if not prefill and not prompt_at and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
             logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
             return self._pick(logits, sample_at).float()
         self.hf_cache.step = PackedStep(

@@ -88,6 +88,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # top logprobs to return besides the sampled token's; None: none
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top ones; None: none
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
 
     def __post_init__(self) -> None:
@@ -118,9 +119,10 @@ class SamplingParams:
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
-        if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs,
-                                 f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _int(name, getattr(self, name),
+                                         f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

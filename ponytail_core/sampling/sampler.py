@@ -321,3 +321,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     ranks = (logits > chosen).sum(dim=-1) + 1 if top is not None else None
     return SamplerOutput(token_ids=tokens, logprobs=chosen.squeeze(1).float() - log_norm,
                          top_logprobs=top, ranks=ranks, bad_rows=bad_rows)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, float]]:
+    """Per row of logits [rows, vocab] (positions of prompts): {token id: logprob} of the prompt
+    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens.
+
+    Raw log_softmax in float32, as the sampled tokens' logprobs (vLLM's raw_logprobs). Reads the
+    results back: only requests that asked for prompt logprobs pay that host sync.
+    """
+    if logits.shape[0] != len(next_token_ids) or len(top) != len(next_token_ids):
+        raise ValueError(f"logits have {logits.shape[0]} rows; next_token_ids has {len(next_token_ids)}, "
+                         f"top has {len(top)}")
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(top, default=0), logprobs.shape[1])
+    values, ids = (logprobs.topk(k, dim=-1) if k else (None, None))
+    values = values.tolist() if k else None
+    ids = ids.tolist() if k else None
+    entries = []
+    for row, (token, logprob) in enumerate(zip(next_token_ids, chosen)):
+        entry = {token: logprob}
+        for index in range(top[row]):
+            entry.setdefault(ids[row][index], values[row][index])
+        entries.append(entry)
+    return entries
