@@ -40,7 +40,8 @@ from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatC
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
                               CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
                               Usage, to_generate_request)
-from .protocol import GenerateDelta, GenerateRequest, ModelInfo
+from .openai_logprobs import chat_logprobs, completion_logprobs
+from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 
 logger = logging.getLogger("ponytail.openai")
 
@@ -216,17 +217,33 @@ def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
 
+def _piece(delta: GenerateDelta) -> tuple[str, list[TokenLogprob] | None]:
+    """A delta's text and token logprobs, the echoed prompt (first delta only) in front."""
+    text, items = delta.text, delta.logprobs
+    if delta.prompt_text is not None:
+        text = delta.prompt_text + text
+        if delta.prompt_logprobs is not None:
+            items = delta.prompt_logprobs + (items or [])
+    return text, items
+
+
 class _CompletionFormat:
     """Response objects of /v1/completions for one request."""
 
     def __init__(self, request_id: str, model: str):
         self.common = dict(id=request_id, created=int(time.time()), model=model)
+        self.text_offset = 0  # where the next streamed piece starts in the whole text
 
     def start(self) -> list[BaseModel]:
         return []
 
-    def text(self, text: str) -> BaseModel:
-        return CompletionChunk(choices=[CompletionChoice(text=text)], **self.common)
+    def _logprobs(self, text: str, items: list[TokenLogprob] | None):
+        offset, self.text_offset = self.text_offset, self.text_offset + len(text)
+        return None if items is None else completion_logprobs(items, offset)
+
+    def text(self, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return CompletionChunk(choices=[CompletionChoice(text=text, logprobs=self._logprobs(text, items))],
+                               **self.common)
 
     def finish(self, finish_reason: str | None) -> BaseModel:
         return CompletionChunk(choices=[CompletionChoice(text="", finish_reason=finish_reason)], **self.common)
@@ -234,23 +251,26 @@ class _CompletionFormat:
     def usage(self, usage: Usage) -> BaseModel:
         return CompletionChunk(choices=[], usage=usage, **self.common)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        return Completion(choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage,
-                          **self.common)
+    def full(self, text: str, finish_reason: str | None, usage: Usage,
+             items: list[TokenLogprob] | None = None) -> BaseModel:
+        choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=self._logprobs(text, items))
+        return Completion(choices=[choice], usage=usage, **self.common)
 
 
 class _ChatFormat(_CompletionFormat):
     """Response objects of /v1/chat/completions for one request."""
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> BaseModel:
-        return ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                                   **self.common)
+    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None,
+               items: list[TokenLogprob] | None = None) -> BaseModel:
+        logprobs = None if items is None else chat_logprobs(items)
+        return ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
+                                                            logprobs=logprobs)], **self.common)
 
     def start(self) -> list[BaseModel]:
         return [self._chunk(ChatDelta(role="assistant", content=""))]
 
-    def text(self, text: str) -> BaseModel:
-        return self._chunk(ChatDelta(content=text))
+    def text(self, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return self._chunk(ChatDelta(content=text), items=items)
 
     def finish(self, finish_reason: str | None) -> BaseModel:
         return self._chunk(ChatDelta(), finish_reason)
@@ -258,9 +278,11 @@ class _ChatFormat(_CompletionFormat):
     def usage(self, usage: Usage) -> BaseModel:
         return ChatCompletionChunk(choices=[], usage=usage, **self.common)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        return ChatCompletion(choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason)],
-                              usage=usage, **self.common)
+    def full(self, text: str, finish_reason: str | None, usage: Usage,
+             items: list[TokenLogprob] | None = None) -> BaseModel:
+        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason,
+                            logprobs=None if items is None else chat_logprobs(items))
+        return ChatCompletion(choices=[choice], usage=usage, **self.common)
 
 
 class _OpenAIServer:
@@ -311,12 +333,12 @@ class _OpenAIServer:
                     streaming = True
                     return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                          "X-Request-Id": request_id})
-                text, last = await _unless_disconnected(request, self._collect(generation, first))
+                text, items, last = await _unless_disconnected(request, self._collect(generation, first))
             finally:
                 if not streaming:
                     await generation.close()
             usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-            body = fmt.full(text, last.finish_reason, usage).model_dump_json()
+            body = fmt.full(text, last.finish_reason, usage, items).model_dump_json()
             return Response(body, media_type="application/json", headers={"X-Request-Id": request_id})
         except _ClientGone:
             logger.info("client disconnected; request %s aborted", request_id)
@@ -325,12 +347,16 @@ class _OpenAIServer:
             return _api_error(exc, request_id, field_name).response()
 
     @staticmethod
-    async def _collect(generation: _Generation, delta: GenerateDelta) -> tuple[str, GenerateDelta]:
-        pieces = [delta.text]
+    async def _collect(generation: _Generation, delta: GenerateDelta
+                       ) -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
+        text, items = _piece(delta)
+        pieces = [text]
         while not delta.finished:
             delta = _check(await generation.next())
             pieces.append(delta.text)
-        return "".join(pieces), delta
+            if delta.logprobs is not None:
+                items = (items or []) + delta.logprobs
+        return "".join(pieces), items, delta
 
     @staticmethod
     async def _events(generation: _Generation, delta: GenerateDelta, fmt: _CompletionFormat,
@@ -340,8 +366,9 @@ class _OpenAIServer:
             for chunk in fmt.start():
                 yield _sse(chunk)
             while True:
-                if delta.text:
-                    yield _sse(fmt.text(delta.text))
+                text, items = _piece(delta)
+                if text or items:
+                    yield _sse(fmt.text(text, items))
                 if delta.finished:
                     break
                 delta = _check(await generation.next())

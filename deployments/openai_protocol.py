@@ -22,6 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from ponytail import ConfigError
+
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -111,8 +114,8 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "logprobs")] = None
-    echo: Annotated[Unsupported, _unsupported(lambda v: v is False, "echo=true")] = None
+    logprobs: int | None = None  # logprobs of each token and of this many most likely ones (0-20)
+    echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
     best_of: Annotated[Unsupported, _unsupported(lambda v: v == 1, "best_of > 1")] = None
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
 
@@ -137,8 +140,8 @@ class ChatMessageParam(_Request):
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: v is False, "logprobs=true")] = None
-    top_logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "top_logprobs")] = None
+    logprobs: bool | None = None  # each output token's logprob
+    top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position (0-20)
     tools: Annotated[Unsupported, _unsupported(lambda v: v == [], "tools")] = None
     response_format: Annotated[Unsupported, _unsupported(
         lambda v: isinstance(v, dict) and v.get("type") == "text", "response_format other than text")] = None
@@ -147,6 +150,8 @@ class ChatCompletionRequest(_SamplingRequest):
         """The request field a SamplingParams field came from (for error messages)."""
         if sampling_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if sampling_name == "logprobs":
+            return "top_logprobs"
         return sampling_name
 
 
@@ -157,10 +162,26 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        sampling.update(chat_logprob_fields(req))
         return GenerateRequest(messages=[m.to_dict() for m in req.messages], sampling=sampling,
                                request_id=request_id or new_request_id("chatcmpl"))
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"))
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+        if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
+            sampling["prompt_logprobs"] = req.logprobs
+    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
+                           echo=bool(req.echo))
+
+
+def chat_logprob_fields(req: ChatCompletionRequest) -> dict[str, int]:
+    """SamplingParams.logprobs from chat's logprobs/top_logprobs (OpenAI: top_logprobs needs logprobs)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ConfigError(f"top_logprobs={req.top_logprobs} needs logprobs=true; allowed: top_logprobs "
+                          "only together with logprobs=true")
+    if not req.logprobs:
+        return {}
+    return {"logprobs": 0 if req.top_logprobs is None else req.top_logprobs}
 
 
 # ------------------------------------------------------------------------------ responses
@@ -182,7 +203,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
 
 
@@ -207,7 +228,7 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -228,7 +249,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

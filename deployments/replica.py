@@ -12,6 +12,7 @@ from ray import serve
 import ponytail
 from ponytail import SamplingParams
 
+from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
@@ -31,6 +32,7 @@ class EngineReplica:
         # that sends them shares the GIL with the engine's step thread.
         self.engine = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
         self.tokenizer = self.llm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
         config = self.llm.engine.cache.config
         self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),
                               max_model_len=self.llm.engine.scheduler.max_model_len, block_size=config.block_size,
@@ -50,16 +52,32 @@ class EngineReplica:
             if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
                 prompt = list(prompt["input_ids"])
         prompt_tokens = None
+        sent = 0  # output tokens whose logprobs went out
         async for delta in self.engine.generate(prompt, params, request.request_id):
             output = delta.output
+            out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
+                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
+                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
+                                error=output.error)
             if prompt_tokens is None:
-                prompt_tokens = len(output.prompt_token_ids)
+                prompt_tokens = out.prompt_tokens
+                if request.echo:
+                    self._add_prompt(out, output, params)
+            if params.logprobs is not None and output.outputs[0].logprobs is not None:
+                entries = output.outputs[0].logprobs[sent : sent + len(delta.new_token_ids)]
+                out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
+                sent += len(entries)
             if delta.finished:
                 self.metrics.on_finished(output)
-            yield GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
-                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
-                                prompt_tokens=prompt_tokens, completion_tokens=len(output.token_ids),
-                                error=output.error)
+            yield out
+
+    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
+        """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
+        ids = output.prompt_token_ids
+        out.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
+        if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
+                                                 params.prompt_logprobs)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)

@@ -228,7 +228,12 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", ["prompt", "token ids"]),
     ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", ["prompt", "not supported yet"]),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", ["stop"]),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", ["logprobs", "not supported yet"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs=21", "[0, 20]"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", ["logprobs", "integer"]),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     ["top_logprobs=21", "[0, 20]"]),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs",
+     ["top_logprobs=2 needs logprobs=true"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", ["messages[0].content", "images"]),
     # values SamplingParams refuses: its message, which names the field
