@@ -83,7 +83,7 @@ class OpenAIIngress:
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
-        return build_app(self)
+        return build_app(self, request_id_header=False)  # Serve's proxy adds x-request-id itself
 
     async def model_info(self) -> ModelInfo:
         return await self.engine.model_info.remote()

@@ -21,9 +21,11 @@ closed, and its cleanup calls backend.abort(request_id).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -34,12 +36,13 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+import ponytail
 from ponytail import ConfigError, SamplingParams
 
 from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
                               CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
-                              Usage, to_generate_request)
+                              Usage, to_generate_requests)
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 
@@ -228,66 +231,73 @@ def _piece(delta: GenerateDelta) -> tuple[str, list[TokenLogprob] | None]:
 
 
 class _CompletionFormat:
-    """Response objects of /v1/completions for one request."""
+    """Response objects of /v1/completions for one request (one choice per prompt)."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, fingerprint: str | None = None):
         self.common = dict(id=request_id, created=int(time.time()), model=model)
-        self.text_offset = 0  # where the next streamed piece starts in the whole text
+        self.fingerprint = fingerprint
+        self.text_offsets: dict[int, int] = {}  # per choice: where its next streamed piece starts
 
-    def start(self) -> list[BaseModel]:
+    def start(self, index: int) -> list[BaseModel]:
         return []
 
-    def _logprobs(self, text: str, items: list[TokenLogprob] | None):
-        offset, self.text_offset = self.text_offset, self.text_offset + len(text)
+    def _logprobs(self, index: int, text: str, items: list[TokenLogprob] | None):
+        offset = self.text_offsets.get(index, 0)
+        self.text_offsets[index] = offset + len(text)
         return None if items is None else completion_logprobs(items, offset)
 
-    def text(self, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
-        return CompletionChunk(choices=[CompletionChoice(text=text, logprobs=self._logprobs(text, items))],
-                               **self.common)
+    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        return CompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
-    def finish(self, finish_reason: str | None) -> BaseModel:
-        return CompletionChunk(choices=[CompletionChoice(text="", finish_reason=finish_reason)], **self.common)
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return self._chunk([CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, text, items))])
+
+    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
 
     def usage(self, usage: Usage) -> BaseModel:
-        return CompletionChunk(choices=[], usage=usage, **self.common)
+        return self._chunk([], usage)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage,
-             items: list[TokenLogprob] | None = None) -> BaseModel:
-        choice = CompletionChoice(text=text, finish_reason=finish_reason, logprobs=self._logprobs(text, items))
-        return Completion(choices=[choice], usage=usage, **self.common)
+    def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                logprobs=self._logprobs(index, text, items))
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return Completion(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
 
 class _ChatFormat(_CompletionFormat):
     """Response objects of /v1/chat/completions for one request."""
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None,
+    def _delta(self, index: int, delta: ChatDelta, finish_reason: str | None = None,
                items: list[TokenLogprob] | None = None) -> BaseModel:
         logprobs = None if items is None else chat_logprobs(items)
-        return ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason,
-                                                            logprobs=logprobs)], **self.common)
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
 
-    def start(self) -> list[BaseModel]:
-        return [self._chunk(ChatDelta(role="assistant", content=""))]
+    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
-    def text(self, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
-        return self._chunk(ChatDelta(content=text), items=items)
+    def start(self, index: int) -> list[BaseModel]:
+        return [self._delta(index, ChatDelta(role="assistant", content=""))]
 
-    def finish(self, finish_reason: str | None) -> BaseModel:
-        return self._chunk(ChatDelta(), finish_reason)
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return self._delta(index, ChatDelta(content=text), items=items)
 
-    def usage(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(choices=[], usage=usage, **self.common)
+    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
+        return self._delta(index, ChatDelta(), finish_reason)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage,
-             items: list[TokenLogprob] | None = None) -> BaseModel:
-        choice = ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason,
-                            logprobs=None if items is None else chat_logprobs(items))
-        return ChatCompletion(choices=[choice], usage=usage, **self.common)
+    def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
+        return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=finish_reason,
+                          logprobs=None if items is None else chat_logprobs(items))
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return ChatCompletion(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
 
 class _OpenAIServer:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, request_id_header: bool = True):
         self.backend = backend
+        self.request_id_header = request_id_header  # False behind Serve, whose proxy sets x-request-id
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
         self.created = int(time.time())
 
@@ -320,26 +330,35 @@ class _OpenAIServer:
             info = await self.model_info()
             if req.model is not None and req.model != info.model_id:
                 raise _model_not_found(req.model, info)
-            generate = to_generate_request(req)
-            request_id = generate.request_id
-            SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
-            fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(request_id, info.model_id)
-            generation = _Generation(self.backend, generate)
-            streaming = False  # once True, the event stream owns the generation and closes it
-            try:  # wait for the first delta: errors raised there still get a status code
-                first = _check(await _unless_disconnected(request, generation.next()))
+            base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
+            generates = to_generate_requests(req, base_id)
+            request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
+            for generate in generates:
+                SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
+            fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
+                request_id, info.model_id, system_fingerprint(info))
+            headers = {"X-Request-Id": base_id} if self.request_id_header else {}
+            generations = [_Generation(self.backend, generate) for generate in generates]
+            streaming = False  # once True, the event stream owns the generations and closes them
+            try:  # wait for the first deltas: errors raised there still get a status code
+                firsts = await _unless_disconnected(request, asyncio.gather(
+                    *(_first(generation) for generation in generations)))
                 if req.stream:
-                    events = self._events(generation, first, fmt, req.include_usage, field_name)
+                    events = self._events(generations, firsts, fmt, req.include_usage, field_name)
                     streaming = True
                     return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                                         "X-Request-Id": request_id})
-                text, items, last = await _unless_disconnected(request, self._collect(generation, first))
+                                                         **headers})
+                results = await _unless_disconnected(request, asyncio.gather(
+                    *(self._collect(g, first) for g, first in zip(generations, firsts))))
             finally:
                 if not streaming:
-                    await generation.close()
-            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-            body = fmt.full(text, last.finish_reason, usage, items).model_dump_json()
-            return Response(body, media_type="application/json", headers={"X-Request-Id": request_id})
+                    await _close_all(generations)
+            choices = [fmt.choice(index, text, last.finish_reason, items)
+                       for index, (text, items, last) in enumerate(results)]
+            usage = Usage.of(sum(last.prompt_tokens for *_, last in results),
+                             sum(last.completion_tokens for *_, last in results))
+            body = fmt.full(choices, usage).model_dump_json()
+            return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
             logger.info("client disconnected; request %s aborted", request_id)
             return Response(status_code=499)
@@ -359,29 +378,81 @@ class _OpenAIServer:
         return "".join(pieces), items, delta
 
     @staticmethod
-    async def _events(generation: _Generation, delta: GenerateDelta, fmt: _CompletionFormat,
+    async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
                       include_usage: bool, field_name) -> AsyncIterator[str]:
         error = None
         try:
-            for chunk in fmt.start():
-                yield _sse(chunk)
-            while True:
+            for index in range(len(generations)):
+                for chunk in fmt.start(index):
+                    yield _sse(chunk)
+            lasts: dict[int, GenerateDelta] = {}
+            async for index, delta in _merged(generations, firsts):
                 text, items = _piece(delta)
                 if text or items:
-                    yield _sse(fmt.text(text, items))
+                    yield _sse(fmt.text(index, text, items))
                 if delta.finished:
-                    break
-                delta = _check(await generation.next())
-            yield _sse(fmt.finish(delta.finish_reason))
+                    lasts[index] = delta
+                    yield _sse(fmt.finish(index, delta.finish_reason))
             if include_usage:
-                yield _sse(fmt.usage(Usage.of(delta.prompt_tokens, delta.completion_tokens)))
+                yield _sse(fmt.usage(Usage.of(sum(d.prompt_tokens for d in lasts.values()),
+                                              sum(d.completion_tokens for d in lasts.values()))))
         except Exception as exc:
-            error = _api_error(exc, generation.request_id, field_name)
-        finally:  # also on cancellation or close(): aborts the request unless it finished
-            await generation.close()
+            error = _api_error(exc, generations[0].request_id, field_name)
+        finally:  # also on cancellation or close(): aborts the requests unless they finished
+            await _close_all(generations)
         if error is not None:
             yield _sse(error.body())
         yield _sse("[DONE]")
+
+
+async def _close_all(generations: list[_Generation]) -> None:
+    """One after another: each close() shields itself at once, which tasks started inside a
+    cancelled scope (asyncio.gather) would not get to do."""
+    for generation in generations:
+        await generation.close()
+
+
+async def _first(generation: _Generation) -> GenerateDelta:
+    return _check(await generation.next())
+
+
+async def _merged(generations: list[_Generation], firsts: list[GenerateDelta]
+                  ) -> AsyncIterator[tuple[int, GenerateDelta]]:
+    """(choice index, delta) of several streams as they come; the first deltas first. One
+    stream's error ends the whole merge (the caller closes, and so aborts, the others)."""
+    for index, first in enumerate(firsts):
+        yield index, first
+    pending = {index for index, first in enumerate(firsts) if not first.finished}
+    if len(pending) == 1:  # the common case: no tasks
+        index = pending.pop()
+        delta = firsts[index]
+        while not delta.finished:
+            delta = _check(await generations[index].next())
+            yield index, delta
+        return
+    tasks = {asyncio.ensure_future(generations[i].next()): i for i in pending}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = tasks.pop(task)
+                delta = _check(task.result())
+                yield index, delta
+                if not delta.finished:
+                    tasks[asyncio.ensure_future(generations[index].next())] = index
+    finally:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def system_fingerprint(info: ModelInfo) -> str:
+    """OpenAI's system_fingerprint: changes when what produces the tokens changes (Ponytail's version,
+    the model, its context and block size, the device kind), so clients can tell runs apart."""
+    device = info.device.split(":")[0]
+    key = f"{ponytail.__version__}|{info.model_id}|{info.max_model_len}|{info.block_size}|{device}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -395,9 +466,13 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error; the server log has the details").response()
 
 
-def build_app(backend: Backend) -> FastAPI:
-    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide)."""
-    server = _OpenAIServer(backend)
+def build_app(backend: Backend, request_id_header: bool = True) -> FastAPI:
+    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide).
+
+    request_id_header: answer with an X-Request-Id header (the request's x-request-id if it had
+    one, else its id). False behind Ray Serve: its proxy adds that header itself, from the same
+    incoming x-request-id (or its own id, which then reaches this app as x-request-id)."""
+    server = _OpenAIServer(backend, request_id_header)
     app = FastAPI(title="Ponytail OpenAI-compatible API")
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)

@@ -54,12 +54,6 @@ def _one_error(message: str, check=None):
     return WrapValidator(validate)
 
 
-def _not_batch(value: object) -> None:
-    if isinstance(value, list) and any(isinstance(item, (str, list)) for item in value):
-        raise PydanticCustomError("not_supported", "a list of prompts (batch) is not supported yet; "
-                                  "send one request per prompt")
-
-
 def _unsupported(ok, what: str):
     """Accept the field only with values that change nothing (the engine cannot honour others yet)."""
     def validate(value):
@@ -69,7 +63,8 @@ def _unsupported(ok, what: str):
     return AfterValidator(validate)
 
 
-Prompt = Annotated[str | list[int], _one_error("must be a string or a list of token ids (integers)", _not_batch)]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], _one_error(
+    "must be a string, a list of token ids (integers), or a list of strings or of token-id lists")]
 Stop = Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")]
 Unsupported = Any  # fields declared only to refuse values the engine cannot honour
 
@@ -105,7 +100,7 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    logit_bias: Annotated[Unsupported, _unsupported(lambda v: v == {}, "logit_bias")] = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
 
     @property
     def include_usage(self) -> bool:
@@ -155,10 +150,35 @@ class ChatCompletionRequest(_SamplingRequest):
         return sampling_name
 
 
+def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,
+                         base_id: str | None = None) -> list[GenerateRequest]:
+    """One engine request per prompt of a completions request (a string, token ids, or a list of
+    either), one for a chat request. Ids: `<prefix>-<base_id>` (base_id: the client's x-request-id,
+    else a random hex), with `-<index>` appended when there are several prompts."""
+    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    request_id = f"{prefix}-{base_id}" if base_id else new_request_id(prefix)
+    prompts = [None] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
+    if len(prompts) == 1:
+        return [to_generate_request(req, request_id)]
+    return [to_generate_request(req.model_copy(update={"prompt": prompt}), f"{request_id}-{index}")
+            for index, prompt in enumerate(prompts)]
+
+
+def _prompts(prompt: str | list) -> list:
+    """A completions prompt as a list of single prompts (strings or token-id lists)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise ConfigError("prompt=[] is empty; allowed: a string, a list of token ids, or a non-empty list of either")
+    return list(prompt)
+
+
 def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                         request_id: str | None = None) -> GenerateRequest:
     """The engine request for an OpenAI request; `sampling` holds ponytail.SamplingParams fields."""
     sampling = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    if req.logit_bias:
+        sampling["logit_bias"] = _token_keys(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
@@ -172,6 +192,15 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
             sampling["prompt_logprobs"] = req.logprobs
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo))
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise ConfigError(f"logit_bias={bias!r:.80} is invalid; allowed: token ids (integers) as keys, "
+                          "biases in [-100, 100] as values") from None
 
 
 def chat_logprob_fields(req: ChatCompletionRequest) -> dict[str, int]:
@@ -212,6 +241,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = _omit_if_none()
 
@@ -237,6 +267,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -258,6 +289,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = _omit_if_none()
 

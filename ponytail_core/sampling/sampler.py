@@ -6,7 +6,7 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax, or
+Order (vLLM v1): min_tokens mask -> logit_bias -> repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1) noise).
 
 Logprobs follow vLLM's default (logprobs_mode="raw_logprobs"): they are log_softmax of the raw
@@ -79,6 +79,7 @@ class SamplingBatch:
     any_unseeded: bool  # some sampled row draws from the global generator
     max_logprobs: int | None  # most top logprobs a row asked for; None when no row asked
     max_token_id: int  # largest token id indexed above; must be < vocab size
+    logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
 
     @classmethod
     def build(
@@ -146,6 +147,13 @@ class SamplingBatch:
             mask_pairs, largest = _pairs(stops, device)
             max_ids.append(largest)
 
+        bias = None
+        if any(p.logit_bias for p in params):
+            pairs, largest = _pairs([list(p.logit_bias or ()) for p in params], device)
+            values = [v for p in params for v in (p.logit_bias or {}).values()]
+            bias = (pairs, _tensor(values, torch.float32, device))
+            max_ids.append(largest)
+
         top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -168,6 +176,7 @@ class SamplingBatch:
             any_unseeded=len(own) < len(sampled),
             max_logprobs=max(asked) if asked else None,
             max_token_id=max(max_ids),
+            logit_bias=bias,
         )
 
 
@@ -305,6 +314,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         top = (values - log_norm.unsqueeze(1), ids)
     if batch.min_tokens_mask is not None:
         x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
+    if batch.logit_bias is not None:  # before penalties, as vLLM's logits processors
+        x.index_put_(batch.logit_bias[0], batch.logit_bias[1], accumulate=True)
     apply_penalties(x, batch)
 
     if batch.all_greedy:

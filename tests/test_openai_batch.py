@@ -1,0 +1,74 @@
+"""Lists of prompts, token-id prompts, logit_bias, system_fingerprint and x-request-id through the
+official openai client, on the real engine (CPU)."""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from local_api import local_server  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with local_server() as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            yield replica, client
+
+
+def test_a_list_of_prompts_and_of_token_id_lists_equals_one_request_each(served):
+    replica, client = served
+    args = dict(model=MODEL, max_tokens=4, temperature=0)
+    singles = [client.completions.create(prompt=p, **args) for p in PROMPTS]
+    batch = client.completions.create(prompt=PROMPTS, **args)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    ids = [replica.tokenizer(p)["input_ids"] for p in PROMPTS]
+    by_ids = client.completions.create(prompt=ids, **args)
+    assert [c.text for c in by_ids.choices] == [c.text for c in batch.choices]
+    one_by_ids = client.completions.create(prompt=ids[1], **args)
+    assert one_by_ids.choices[0].text == batch.choices[1].text
+    streamed = {}
+    for chunk in client.completions.create(prompt=PROMPTS, stream=True, stream_options={"include_usage": True},
+                                           **args):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == batch.usage.completion_tokens
+    assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
+
+
+def test_logit_bias_steers_the_tokens(served):
+    replica, client = served
+    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    plain = client.completions.create(**args)
+    first = replica.tokenizer(plain.choices[0].text)["input_ids"][0]
+    banned = client.completions.create(**args, logit_bias={str(first): -100})
+    assert replica.tokenizer(banned.choices[0].text)["input_ids"][0] != first
+    forced = replica.tokenizer(" banana")["input_ids"][0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == " banana" * 3
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(**args, logit_bias={"x": 1})
+
+
+def test_system_fingerprint_and_one_request_id_header(served):
+    _, client = served
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    out = raw.parse()
+    assert out.system_fingerprint.startswith("fp_")
+    assert len(raw.headers.get_list("x-request-id")) == 1 and raw.headers["x-request-id"] in out.id
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_headers={"X-Request-Id": "abc"})
+    assert chat.headers.get_list("x-request-id") == ["abc"]
+    assert chat.parse().id == "chatcmpl-abc" and chat.parse().system_fingerprint == out.system_fingerprint
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, stream=True))
+    assert {c.system_fingerprint for c in chunks} == {out.system_fingerprint}
