@@ -111,6 +111,12 @@ class OpenAIIngress:
         async for delta in self.stream(request):
             yield delta
 
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        return await self.engine.tokenize.remote(prompt, messages)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.engine.detokenize.remote(token_ids)
+
     async def abort(self, request_id: str) -> None:
         """Cancelling the stream cancels the replica's generator, which aborts the request there."""
         response = self._streams.pop(request_id, None)

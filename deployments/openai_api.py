@@ -1,12 +1,15 @@
 """The OpenAI-compatible HTTP API over any backend that streams GenerateDeltas; no Ray in here.
 
 `build_app(backend)` returns a FastAPI app serving /v1/models, /v1/completions,
-/v1/chat/completions and /health. The backend (the Serve ingress in app.py, a fake in the tests)
-needs three methods:
+/v1/chat/completions, /tokenize, /detokenize, /version and /health. The backend (the Serve
+ingress in app.py, a fake in the tests) needs these methods (the last two for /tokenize and
+/detokenize only):
 
     async def model_info(self) -> ModelInfo
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]   # an async generator
     async def abort(self, request_id: str) -> None
+    async def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]
+    async def detokenize(self, token_ids: list[int]) -> str
 
 A request's life: parse the body (type errors -> 400 naming the field), check `model` (404),
 build ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
@@ -41,7 +44,8 @@ from ponytail import ConfigError, SamplingParams
 
 from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
-                              CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
+                              CompletionChunk, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ErrorInfo, TokenizeRequest, TokenizeResponse, ErrorResponse, Model, ModelList,
                               Usage, to_generate_requests)
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
@@ -312,7 +316,7 @@ class _OpenAIServer:
             info = await self.model_info()
         except Exception as exc:
             return _api_error(exc).response()
-        model = Model(id=info.model_id, created=self.created, max_model_len=info.max_model_len)
+        model = Model(id=info.model_id, created=self.created, max_model_len=info.max_model_len, root=info.root)
         if model_id is None:
             return Response(ModelList(data=[model]).model_dump_json(), media_type="application/json")
         if model_id != info.model_id:
@@ -364,6 +368,29 @@ class _OpenAIServer:
             return Response(status_code=499)
         except Exception as exc:
             return _api_error(exc, request_id, field_name).response()
+
+    async def tokenize(self, request: Request, detokenize: bool) -> Response:
+        """vLLM's /tokenize and /detokenize, so clients count and cut tokens as the engine does."""
+        try:
+            kind = DetokenizeRequest if detokenize else TokenizeRequest
+            try:
+                req = kind.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            info = await self.model_info()
+            if req.model is not None and req.model != info.model_id:
+                raise _model_not_found(req.model, info)
+            if detokenize:
+                body = DetokenizeResponse(prompt=await self.backend.detokenize(req.tokens))
+            else:
+                if (req.prompt is None) == (req.messages is None):
+                    raise APIError(400, "give exactly one of prompt (a string) and messages", param="prompt")
+                messages = None if req.messages is None else [m.to_dict() for m in req.messages]
+                tokens = await self.backend.tokenize(req.prompt, messages)
+                body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=info.max_model_len)
+            return Response(body.model_dump_json(), media_type="application/json")
+        except Exception as exc:
+            return _api_error(exc).response()
 
     @staticmethod
     async def _collect(generation: _Generation, delta: GenerateDelta
@@ -480,6 +507,18 @@ def build_app(backend: Backend, request_id_header: bool = True) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": ponytail.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await server.tokenize(request, detokenize=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await server.tokenize(request, detokenize=True)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -300,6 +300,7 @@ class Model(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ponytail"
     max_model_len: int | None = None  # vLLM's extra
+    root: str | None = None  # vLLM's: where the tokenizer loads from (a path or hub id)
 
 
 class ModelList(BaseModel):
@@ -316,3 +317,26 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a completions prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -61,6 +61,7 @@ class ModelInfo:
     block_size: int
     device: str
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
+    root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
 
 
 @dataclass(slots=True)

@@ -36,7 +36,8 @@ class EngineReplica:
         config = self.llm.engine.cache.config
         self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),
                               max_model_len=self.llm.engine.scheduler.max_model_len, block_size=config.block_size,
-                              device=str(config.device), device_uuid=_device_uuid(config.device))
+                              device=str(config.device), device_uuid=_device_uuid(config.device),
+                              root=str(model) if model else getattr(self.tokenizer, "name_or_path", None) or None)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
@@ -47,10 +48,7 @@ class EngineReplica:
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         prompt = request.prompt
         if request.messages is not None:
-            prompt = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
-            if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
-                prompt = list(prompt["input_ids"])
+            prompt = self._chat_ids(request.messages)
         prompt_tokens = None
         sent = 0  # output tokens whose logprobs went out
         async for delta in self.engine.generate(prompt, params, request.request_id):
@@ -78,6 +76,25 @@ class EngineReplica:
         if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
             out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
                                                  params.prompt_logprobs)
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """The token ids the engine would compute for a completions prompt or chat messages."""
+        if messages is not None:
+            return self._chat_ids(messages)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.llm.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ponytail.ConfigError(f"tokens={bad[:5]} are outside the vocabulary; allowed: ids in [0, {vocab})")
+        return self.tokenizer.decode(token_ids)
+
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "input_ids") or isinstance(ids, dict):
+            ids = list(ids["input_ids"])
+        return list(ids)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)

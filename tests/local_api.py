@@ -30,6 +30,12 @@ class LocalBackend:
     async def abort(self, request_id: str) -> None:
         await self.replica.abort(request_id)
 
+    async def tokenize(self, prompt, messages):
+        return await self.replica.tokenize(prompt, messages)
+
+    async def detokenize(self, token_ids):
+        return await self.replica.detokenize(token_ids)
+
 
 @contextmanager
 def local_server(**replica_args):

@@ -17,6 +17,7 @@ PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at"]
 def served():
     with local_server() as (replica, url):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            client.url = url
             yield replica, client
 
 
@@ -72,3 +73,40 @@ def test_system_fingerprint_and_one_request_id_header(served):
     chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=2, stream=True))
     assert {c.system_fingerprint for c in chunks} == {out.system_fingerprint}
+
+
+def test_tokenize_detokenize_version_and_the_models_root(served):
+    import json
+    import urllib.error
+    import urllib.request
+
+    import ponytail
+    from transformers import AutoTokenizer
+
+    replica, client = served
+
+    def call(path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(client.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    ids = replica.tokenizer(PROMPTS[0])["input_ids"]
+    assert call("/tokenize", {"prompt": PROMPTS[0]}) == (200, {"tokens": ids, "count": len(ids),
+                                                               "max_model_len": 1024})
+    status, chat = call("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and chat["count"] > 3
+    assert call("/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPTS[0]})
+    status, error = call("/detokenize", {"tokens": [10**9]})
+    assert status == 400 and error["error"]["param"] == "tokens" and "outside the vocabulary" in error["error"]["message"]
+    status, error = call("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+    assert status == 400 and "exactly one of prompt" in error["error"]["message"]
+    assert call("/version") == (200, {"version": ponytail.__version__})
+    model = client.models.list().data[0]
+    assert model.id == MODEL
+    # What clients such as guidellm do with it: load the tokenizer from there, and it is the engine's.
+    tokenizer = AutoTokenizer.from_pretrained(model.root)
+    assert tokenizer(PROMPTS[0])["input_ids"] == ids
