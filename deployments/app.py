@@ -111,6 +111,11 @@ class OpenAIIngress:
         async for delta in self.stream(request):
             yield delta
 
+    async def engine_stats(self) -> dict:
+        """For /metrics: the report of the replica this call reaches (Serve picks one per call)."""
+        report = await self.engine.report.remote()
+        return {report.replica: report.stats}
+
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         return await self.engine.tokenize.remote(prompt, messages)
 

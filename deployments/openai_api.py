@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API over any backend that streams GenerateDeltas; no Ray in here.
 
 `build_app(backend)` returns a FastAPI app serving /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /version and /health. The backend (the Serve
+/v1/chat/completions, /tokenize, /detokenize, /version, /metrics and /health. The backend (the Serve
 ingress in app.py, a fake in the tests) needs these methods (the last two for /tokenize and
 /detokenize only):
 
@@ -10,6 +10,7 @@ ingress in app.py, a fake in the tests) needs these methods (the last two for /t
     async def abort(self, request_id: str) -> None
     async def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]
     async def detokenize(self, token_ids: list[int]) -> str
+    async def engine_stats(self) -> dict[str, EngineStats]   # optional: engine series in /metrics
 
 A request's life: parse the body (type errors -> 400 naming the field), check `model` (404),
 build ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
@@ -47,6 +48,8 @@ from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatC
                               CompletionChunk, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                               ErrorInfo, TokenizeRequest, TokenizeResponse, ErrorResponse, Model, ModelList,
                               Usage, to_generate_requests)
+from .api_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .api_metrics import ApiMetrics
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 
@@ -303,12 +306,29 @@ class _OpenAIServer:
         self.backend = backend
         self.request_id_header = request_id_header  # False behind Serve, whose proxy sets x-request-id
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
+        self._metrics: ApiMetrics | None = None  # made with the first model_info: it labels the series
         self.created = int(time.time())
 
     async def model_info(self) -> ModelInfo:
         if self._info is None:
             self._info = await self.backend.model_info()
         return self._info
+
+    def metrics(self, info: ModelInfo) -> ApiMetrics:
+        if self._metrics is None:
+            self._metrics = ApiMetrics(info.model_id)
+        return self._metrics
+
+    async def metrics_text(self) -> Response:
+        """/metrics: Prometheus text; engine series from the backend's replica reports, if it has any."""
+        try:
+            info = await self.model_info()
+            stats = getattr(self.backend, "engine_stats", None)
+            reports = await stats() if stats is not None else None
+            body = self.metrics(info).render(reports)
+        except Exception as exc:
+            return _api_error(exc).response()
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, model_id: str | None = None) -> Response:
         """The model list, or with model_id the one model (404 when it is not the one served)."""
@@ -343,12 +363,14 @@ class _OpenAIServer:
                 request_id, info.model_id, system_fingerprint(info))
             headers = {"X-Request-Id": base_id} if self.request_id_header else {}
             generations = [_Generation(self.backend, generate) for generate in generates]
+            metrics, started = self.metrics(info), time.monotonic()
             streaming = False  # once True, the event stream owns the generations and closes them
             try:  # wait for the first deltas: errors raised there still get a status code
                 firsts = await _unless_disconnected(request, asyncio.gather(
-                    *(_first(generation) for generation in generations)))
+                    *(_first(generation, metrics, started) for generation in generations)))
                 if req.stream:
-                    events = self._events(generations, firsts, fmt, req.include_usage, field_name)
+                    events = self._events(generations, firsts, fmt, req.include_usage, field_name,
+                                          lambda last: _record(metrics, last, started))
                     streaming = True
                     return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                          **headers})
@@ -357,6 +379,8 @@ class _OpenAIServer:
             finally:
                 if not streaming:
                     await _close_all(generations)
+            for *_, last in results:
+                _record(metrics, last, started)
             choices = [fmt.choice(index, text, last.finish_reason, items)
                        for index, (text, items, last) in enumerate(results)]
             usage = Usage.of(sum(last.prompt_tokens for *_, last in results),
@@ -406,7 +430,7 @@ class _OpenAIServer:
 
     @staticmethod
     async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
-                      include_usage: bool, field_name) -> AsyncIterator[str]:
+                      include_usage: bool, field_name, on_finished) -> AsyncIterator[str]:
         error = None
         try:
             for index in range(len(generations)):
@@ -419,6 +443,7 @@ class _OpenAIServer:
                     yield _sse(fmt.text(index, text, items))
                 if delta.finished:
                     lasts[index] = delta
+                    on_finished(delta)
                     yield _sse(fmt.finish(index, delta.finish_reason))
             if include_usage:
                 yield _sse(fmt.usage(Usage.of(sum(d.prompt_tokens for d in lasts.values()),
@@ -439,8 +464,14 @@ async def _close_all(generations: list[_Generation]) -> None:
         await generation.close()
 
 
-async def _first(generation: _Generation) -> GenerateDelta:
-    return _check(await generation.next())
+async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -> GenerateDelta:
+    delta = _check(await generation.next())
+    metrics.first_token(time.monotonic() - started)
+    return delta
+
+
+def _record(metrics: ApiMetrics, last: GenerateDelta, started: float) -> None:
+    metrics.finished(last.prompt_tokens, last.completion_tokens, last.finish_reason, time.monotonic() - started)
 
 
 async def _merged(generations: list[_Generation], firsts: list[GenerateDelta]
@@ -507,6 +538,10 @@ def build_app(backend: Backend, request_id_header: bool = True) -> FastAPI:
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await server.metrics_text()
 
     @app.get("/version")
     async def version() -> dict:

@@ -30,6 +30,9 @@ class LocalBackend:
     async def abort(self, request_id: str) -> None:
         await self.replica.abort(request_id)
 
+    async def engine_stats(self):
+        return {"local": self.replica.llm.engine.stats()}
+
     async def tokenize(self, prompt, messages):
         return await self.replica.tokenize(prompt, messages)
 

@@ -110,3 +110,26 @@ def test_tokenize_detokenize_version_and_the_models_root(served):
     # What clients such as guidellm do with it: load the tokenizer from there, and it is the engine's.
     tokenizer = AutoTokenizer.from_pretrained(model.root)
     assert tokenizer(PROMPTS[0])["input_ids"] == ids
+
+
+def test_metrics_on_the_api_port_in_prometheus_text(served):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, client = served
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                              extra_body={"ignore_eos": True})
+    with urllib.request.urlopen(client.url + "/metrics", timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {(s.name, s.labels.get("finished_reason")): s for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    for name in ("ponytail:prompt_tokens_total", "ponytail:generation_tokens_total",
+                 "ponytail:time_to_first_token_seconds_count", "ponytail:e2e_request_latency_seconds_count",
+                 "ponytail:kv_cache_usage_perc", "ponytail:num_requests_running", "ponytail:num_requests_waiting",
+                 "ponytail:num_preemptions_total", "ponytail:prefix_cache_queries_total"):
+        assert samples[(name, None)].labels["model_name"] == MODEL, name
+    assert samples[("ponytail:generation_tokens_total", None)].value >= 2
+    assert samples[("ponytail:request_success_total", "length")].value >= 1
+    assert samples[("ponytail:prefix_cache_queries_total", None)].value > 0
