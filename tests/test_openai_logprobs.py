@@ -8,7 +8,7 @@ import torch
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from local_api import local_server  # noqa: E402
+from deployments.local_server import local_server  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"

@@ -1,5 +1,5 @@
-"""The OpenAI API over a real engine replica in this process (no Ray): for tests through the
-official `openai` client that need real tokens, logprobs and KV blocks."""
+"""The OpenAI API over one engine replica in this process, without Ray: for tests through the
+official `openai` client that need real tokens, and for benchmarks/lm_eval_check.py --local."""
 
 import socket
 import threading
@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from deployments.openai_api import build_app
-from deployments.replica import EngineReplica
+from .openai_api import build_app
+from .replica import EngineReplica
 
 WAIT_S = 10.0
 
@@ -41,12 +41,13 @@ class LocalBackend:
 
 
 @contextmanager
-def local_server(**replica_args):
-    """Yields (replica, base url) of the API on a free loopback port, the default model on the CPU."""
+def local_server(port: int = 0, **replica_args):
+    """Yields (replica, base url) of the API on 127.0.0.1 (port 0: a free one); the replica's
+    defaults: the default model on the CPU, 64 MiB of KV cache."""
     replica = EngineReplica(**{"device": "cpu", "kv_cache_memory": "64MiB", "max_num_seqs": 8,
                                "max_model_len": 1024, **replica_args})
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     config = uvicorn.Config(build_app(LocalBackend(replica)), log_level="warning", lifespan="off",
                             timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
