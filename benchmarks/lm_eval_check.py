@@ -4,7 +4,7 @@ Two tasks from local data, written next to the results: a multiple-choice (logli
 which needs `echo` with prompt logprobs and lists of token-id prompts, and a generate_until task.
 The tokenizer comes from /v1/models' `root`, as a client with only the server's address finds it.
 
-Requirement (not a Ponytail dependency): `pip install lm-eval==0.4.13`.
+Requirement (not a Ponytail dependency): `pip install "lm-eval[api]==0.4.13"`.
 
     serve run deployments/app.yaml &            # or: --local (the API over an in-process engine, no Ray)
     python benchmarks/lm_eval_check.py --base-url http://127.0.0.1:8000

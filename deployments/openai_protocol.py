@@ -158,8 +158,9 @@ def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,
     prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
     request_id = f"{prefix}-{base_id}" if base_id else new_request_id(prefix)
     prompts = [None] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
-    if len(prompts) == 1:
-        return [to_generate_request(req, request_id)]
+    if len(prompts) == 1:  # a list of one prompt ([[ids]], what lm-eval sends) is that prompt
+        single = req if prompts[0] is None or prompts[0] is req.prompt else req.model_copy(update={"prompt": prompts[0]})
+        return [to_generate_request(single, request_id)]
     return [to_generate_request(req.model_copy(update={"prompt": prompt}), f"{request_id}-{index}")
             for index, prompt in enumerate(prompts)]
 

@@ -347,3 +347,17 @@ def test_client_disconnect_while_waiting_aborts(server, backend):
         with pytest.raises(httpx.ReadTimeout):
             short.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400})
     assert wait_for_abort(backend) == [backend.requests[0].request_id]
+
+
+def test_prompt_lists_become_one_engine_request_each():
+    from deployments.openai_protocol import to_generate_requests
+
+    def prompts(prompt):
+        return [(g.prompt, g.request_id) for g in to_generate_requests(CompletionRequest.model_validate(
+            {"prompt": prompt, "max_tokens": 3}), "x")]
+
+    assert prompts([[1, 2, 3]]) == [([1, 2, 3], "cmpl-x")]  # lm-eval's batch of one
+    assert prompts(["a"]) == [("a", "cmpl-x")]
+    assert prompts([1, 2]) == [([1, 2], "cmpl-x")]
+    assert prompts(["a", "b"]) == [("a", "cmpl-x-0"), ("b", "cmpl-x-1")]
+    assert prompts([[1], [2, 3]]) == [([1], "cmpl-x-0"), ([2, 3], "cmpl-x-1")]
