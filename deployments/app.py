@@ -32,7 +32,7 @@ class OpenAIIngress:
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
-        return build_app(self)
+        return build_app(self, request_id_header=False)  # Serve's proxy adds x-request-id itself
 
     async def model_info(self) -> ModelInfo:
         return await self.engine_handle.model_info.remote()
@@ -59,6 +59,17 @@ class OpenAIIngress:
             request.request_id = f"handle-{uuid.uuid4().hex}"
         async for delta in self.stream(request):
             yield delta
+
+    async def engine_stats(self) -> dict:
+        """For /metrics: the report of the replica this call reaches (Serve picks one per call)."""
+        report = await self.engine.report.remote()
+        return {report.replica: report.stats}
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        return await self.engine.tokenize.remote(prompt, messages)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.engine.detokenize.remote(token_ids)
 
     async def abort(self, request_id: str) -> None:
         """Cancelling the stream cancels the replica's generator, which aborts the request there."""

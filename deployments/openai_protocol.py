@@ -22,6 +22,9 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
 from pydantic_core import PydanticCustomError
 
+from ponytail import ConfigError
+
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -51,12 +54,6 @@ def _one_error(message: str, check=None):
     return WrapValidator(validate)
 
 
-def _not_batch(value: object) -> None:
-    if isinstance(value, list) and any(isinstance(item, (str, list)) for item in value):
-        raise PydanticCustomError("not_supported", "a list of prompts (batch) is not supported yet; "
-                                  "send one request per prompt")
-
-
 def _unsupported(ok, what: str):
     """Accept the field only with values that change nothing (the engine cannot honour others yet)."""
     def validate(value):
@@ -66,7 +63,8 @@ def _unsupported(ok, what: str):
     return AfterValidator(validate)
 
 
-Prompt = Annotated[str | list[int], _one_error("must be a string or a list of token ids (integers)", _not_batch)]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], _one_error(
+    "must be a string, a list of token ids (integers), or a list of strings or of token-id lists")]
 Stop = Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")]
 Unsupported = Any  # fields declared only to refuse values the engine cannot honour
 
@@ -102,7 +100,7 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    logit_bias: Annotated[Unsupported, _unsupported(lambda v: v == {}, "logit_bias")] = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
 
     @property
     def include_usage(self) -> bool:
@@ -111,8 +109,8 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "logprobs")] = None
-    echo: Annotated[Unsupported, _unsupported(lambda v: v is False, "echo=true")] = None
+    logprobs: int | None = None  # logprobs of each token and of this many most likely ones (0-20)
+    echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
     best_of: Annotated[Unsupported, _unsupported(lambda v: v == 1, "best_of > 1")] = None
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
 
@@ -137,8 +135,8 @@ class ChatMessageParam(_Request):
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: v is False, "logprobs=true")] = None
-    top_logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "top_logprobs")] = None
+    logprobs: bool | None = None  # each output token's logprob
+    top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position (0-20)
     tools: Annotated[Unsupported, _unsupported(lambda v: v == [], "tools")] = None
     response_format: Annotated[Unsupported, _unsupported(
         lambda v: isinstance(v, dict) and v.get("type") == "text", "response_format other than text")] = None
@@ -147,20 +145,73 @@ class ChatCompletionRequest(_SamplingRequest):
         """The request field a SamplingParams field came from (for error messages)."""
         if sampling_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if sampling_name == "logprobs":
+            return "top_logprobs"
         return sampling_name
+
+
+def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,
+                         base_id: str | None = None) -> list[GenerateRequest]:
+    """One engine request per prompt of a completions request (a string, token ids, or a list of
+    either), one for a chat request. Ids: `<prefix>-<base_id>` (base_id: the client's x-request-id,
+    else a random hex), with `-<index>` appended when there are several prompts."""
+    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    request_id = f"{prefix}-{base_id}" if base_id else new_request_id(prefix)
+    prompts = [None] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
+    if len(prompts) == 1:  # a list of one prompt ([[ids]], what lm-eval sends) is that prompt
+        single = req if prompts[0] is None or prompts[0] is req.prompt else req.model_copy(update={"prompt": prompts[0]})
+        return [to_generate_request(single, request_id)]
+    return [to_generate_request(req.model_copy(update={"prompt": prompt}), f"{request_id}-{index}")
+            for index, prompt in enumerate(prompts)]
+
+
+def _prompts(prompt: str | list) -> list:
+    """A completions prompt as a list of single prompts (strings or token-id lists)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise ConfigError("prompt=[] is empty; allowed: a string, a list of token ids, or a non-empty list of either")
+    return list(prompt)
 
 
 def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                         request_id: str | None = None) -> GenerateRequest:
     """The engine request for an OpenAI request; `sampling` holds ponytail.SamplingParams fields."""
     sampling = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    if req.logit_bias:
+        sampling["logit_bias"] = _token_keys(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        sampling.update(chat_logprob_fields(req))
         return GenerateRequest(messages=[m.to_dict() for m in req.messages], sampling=sampling,
                                request_id=request_id or new_request_id("chatcmpl"))
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"))
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+        if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
+            sampling["prompt_logprobs"] = req.logprobs
+    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
+                           echo=bool(req.echo))
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise ConfigError(f"logit_bias={bias!r:.80} is invalid; allowed: token ids (integers) as keys, "
+                          "biases in [-100, 100] as values") from None
+
+
+def chat_logprob_fields(req: ChatCompletionRequest) -> dict[str, int]:
+    """SamplingParams.logprobs from chat's logprobs/top_logprobs (OpenAI: top_logprobs needs logprobs)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ConfigError(f"top_logprobs={req.top_logprobs} needs logprobs=true; allowed: top_logprobs "
+                          "only together with logprobs=true")
+    if not req.logprobs:
+        return {}
+    return {"logprobs": 0 if req.top_logprobs is None else req.top_logprobs}
 
 
 # ------------------------------------------------------------------------------ responses
@@ -182,7 +233,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
 
 
@@ -191,6 +242,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = _omit_if_none()
 
@@ -207,7 +259,7 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -216,6 +268,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -228,7 +281,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -237,6 +290,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = _omit_if_none()
 
@@ -247,6 +301,7 @@ class Model(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ponytail"
     max_model_len: int | None = None  # vLLM's extra
+    root: str | None = None  # vLLM's: where the tokenizer loads from (a path or hub id)
 
 
 class ModelList(BaseModel):
@@ -263,3 +318,26 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a completions prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -19,18 +19,16 @@ LOG_CAPACITY = 65536  # events the engine keeps between two reports at most (~4 
 
 
 class PrefixPublisher:
-    """Attaches an event log to the engine's block allocator and slices it into reports."""
+    """Slices the engine's prefix event log (`LLM.publish_prefix_events`) into reports."""
 
-    def __init__(self, allocator, reports_kept: int = REPORTS_KEPT, capacity: int = LOG_CAPACITY):
-        self.allocator = allocator
-        self.log = PrefixEventLog(capacity)
-        allocator.prefix_events = self.log
+    def __init__(self, log: PrefixEventLog, reports_kept: int = REPORTS_KEPT):
+        self.log = log
         self._report_seqs: deque[int] = deque([0], maxlen=reports_kept)  # newest seq at each recent report
 
-    def routing_stats(self) -> dict:
+    def routing_stats(self, cached_blocks: int) -> dict:
         """The prefix part of record_routing_stats(): events since REPORTS_KEPT reports ago."""
         events = self.log.since(self._report_seqs[0])
         seq = events[-1].seq if events else self._report_seqs[-1]
         self._report_seqs.append(seq)
         return {STAT_PREFIX_SEQ: seq, STAT_PREFIX_EVENTS: [(e.block_hash, e.stored) for e in events],
-                STAT_CACHED_BLOCKS: self.allocator.num_evictable}
+                STAT_CACHED_BLOCKS: cached_blocks}

@@ -18,6 +18,7 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat messages; the replica applies the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
     request_id: str | None = None
+    echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""
@@ -26,6 +27,16 @@ class GenerateRequest:
         text = self.prompt if isinstance(self.prompt, str) else " ".join(
             str(m.get("content", "")) for m in (self.messages or []))
         return len(text) // 3 + 16  # ~3 characters per token, plus template overhead
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token's logprob and the most likely alternatives, with their text (the replica decodes)."""
+
+    token_id: int
+    token: str  # the token decoded on its own
+    logprob: float | None  # None only for a prompt's first token, which nothing predicts
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first; as many as asked
 
 
 @dataclass(slots=True)
@@ -38,6 +49,9 @@ class GenerateDelta:
     prompt_tokens: int
     completion_tokens: int  # so far
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    prompt_text: str | None = None  # echo: the prompt as text, in the first delta only
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: first delta only
 
 
 @dataclass(slots=True)
@@ -47,6 +61,7 @@ class ModelInfo:
     block_size: int
     device: str
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
+    root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
 
 
 @dataclass(slots=True)

@@ -12,8 +12,9 @@ from ray import serve
 import ponytail
 from ponytail import SamplingParams
 
+from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
-from .prefix_publisher import PrefixPublisher
+from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import chat_token_ids
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
@@ -34,13 +35,15 @@ class EngineReplica:
         # that sends them shares the GIL with the engine's step thread.
         self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
         self.tokenizer = self.llm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
         self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),
                               max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
-                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device))
+                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device),
+                              root=str(model) if model else getattr(self.tokenizer, "name_or_path", None) or None)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
-        self.prefix = PrefixPublisher(self.llm.engine.cache.allocator)  # cached prefix blocks, for the router
+        self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
@@ -50,16 +53,46 @@ class EngineReplica:
         if request.messages is not None:
             prompt = chat_token_ids(self.tokenizer, request.messages)  # what the prefix router hashes too
         prompt_tokens = None
+        sent = 0  # output tokens whose logprobs went out
         async for delta in self.async_llm.generate(prompt, params, request.request_id):
             output = delta.output
+            out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
+                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
+                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
+                                error=output.error)
             if prompt_tokens is None:
-                prompt_tokens = len(output.prompt_token_ids)
+                prompt_tokens = out.prompt_tokens
+                if request.echo:
+                    self._add_prompt(out, output, params)
+            if params.logprobs is not None and output.outputs[0].logprobs is not None:
+                entries = output.outputs[0].logprobs[sent : sent + len(delta.new_token_ids)]
+                out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
+                sent += len(entries)
             if delta.finished:
                 self.metrics.on_finished(output)
-            yield GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
-                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
-                                prompt_tokens=prompt_tokens, completion_tokens=len(output.token_ids),
-                                error=output.error)
+            yield out
+
+    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
+        """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
+        ids = output.prompt_token_ids
+        out.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
+        if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
+                                                 params.prompt_logprobs)
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """The token ids the engine would compute for a completions prompt or chat messages."""
+        if messages is not None:
+            return chat_token_ids(self.tokenizer, messages)
+        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.llm.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ponytail.ConfigError(f"tokens={bad[:5]} are outside the vocabulary; allowed: ids in [0, {vocab})")
+        return self.tokenizer.decode(token_ids)
+
 
     async def abort(self, request_id: str) -> bool:
         return await self.async_llm.abort(request_id)
@@ -81,7 +114,7 @@ class EngineReplica:
         free = stats.admissible_blocks - stats.promised_blocks
         return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: stats.max_blocks,
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
-                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(), **self.prefix.routing_stats()}
+                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(), **self.prefix.routing_stats(stats.cached_blocks)}
 
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""

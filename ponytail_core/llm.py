@@ -14,6 +14,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.stats import EngineStats
 from .models.loader import load_model
 from .engine.request import RequestOutput
+from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
 from .utils.units import format_bytes, is_seconds, parse_bytes
 from .utils.arith import cdiv
@@ -95,6 +96,18 @@ class LLM:
     def device(self) -> torch.device:
         """Where the model and its KV cache live."""
         return self.engine.cache.config.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine accepts: 0 .. vocab_size - 1."""
+        return self.engine.vocab_size
+
+    def publish_prefix_events(self, capacity: int) -> PrefixEventLog:
+        """Start recording which prefix blocks the cache stores and drops (for a prefix-aware router);
+        the log keeps the newest `capacity` events. Until called, nothing is recorded."""
+        log = PrefixEventLog(capacity)
+        self.engine.cache.record_prefix_events(log)
+        return log
 
     @staticmethod
     def _kv_memory(kv_cache_memory, device: torch.device) -> int:

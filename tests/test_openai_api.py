@@ -226,9 +226,15 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens", ["max_tokens", "integer", "'ten'"]),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", ["stream"]),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", ["prompt", "token ids"]),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", ["prompt", "not supported yet"]),
+    ("/v1/completions", {"prompt": []}, "prompt", ["prompt=[] is empty"]),
+    ("/v1/completions", {"prompt": [[1, 2], "b"]}, "prompt", ["prompt", "list of strings or of token-id lists"]),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", ["stop"]),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", ["logprobs", "not supported yet"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs=21", "[0, 20]"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", ["logprobs", "integer"]),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     ["top_logprobs=21", "[0, 20]"]),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs",
+     ["top_logprobs=2 needs logprobs=true"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", ["messages[0].content", "images"]),
     # values SamplingParams refuses: its message, which names the field
@@ -341,3 +347,17 @@ def test_client_disconnect_while_waiting_aborts(server, backend):
         with pytest.raises(httpx.ReadTimeout):
             short.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400})
     assert wait_for_abort(backend) == [backend.requests[0].request_id]
+
+
+def test_prompt_lists_become_one_engine_request_each():
+    from deployments.openai_protocol import to_generate_requests
+
+    def prompts(prompt):
+        return [(g.prompt, g.request_id) for g in to_generate_requests(CompletionRequest.model_validate(
+            {"prompt": prompt, "max_tokens": 3}), "x")]
+
+    assert prompts([[1, 2, 3]]) == [([1, 2, 3], "cmpl-x")]  # lm-eval's batch of one
+    assert prompts(["a"]) == [("a", "cmpl-x")]
+    assert prompts([1, 2]) == [([1, 2], "cmpl-x")]
+    assert prompts(["a", "b"]) == [("a", "cmpl-x-0"), ("b", "cmpl-x-1")]
+    assert prompts([[1], [2, 3]]) == [([1], "cmpl-x-0"), ([2, 3], "cmpl-x-1")]

@@ -17,7 +17,7 @@ from ray.serve.request_router import PendingRequest  # noqa: E402
 from ray.serve._private.common import RequestMetadata  # noqa: E402
 
 from deployments.prefix_index import PrefixIndex  # noqa: E402
-from deployments.prefix_publisher import PrefixPublisher  # noqa: E402
+from deployments.prefix_publisher import LOG_CAPACITY, PrefixPublisher  # noqa: E402
 from deployments.prefix_router import PrefixAffinityRouter  # noqa: E402
 from deployments.protocol import GenerateRequest  # noqa: E402
 from deployments.router import Placement  # noqa: E402
@@ -78,10 +78,10 @@ def test_block_hashes_are_the_same_in_another_process():
 
 def test_a_match_on_the_hashes_is_the_engines_prefix_hit():
     allocator = BlockAllocator(32, BS)
-    publisher = PrefixPublisher(allocator)
+    publisher = _publisher(allocator)
     allocator.allocate("first", PROMPT)
     allocator.commit("first", len(PROMPT))  # 6 full blocks offered to the prefix cache
-    stored = [h for h, is_stored in publisher.routing_stats()["prefix_events"] if is_stored]
+    stored = [h for h, is_stored in publisher.routing_stats(allocator.num_evictable)["prefix_events"] if is_stored]
     assert stored == ponytail.prefix_block_hashes(PROMPT, BS)
     index = PrefixIndex()
     index.add(stored)
@@ -97,22 +97,29 @@ def test_a_match_on_the_hashes_is_the_engines_prefix_hit():
 
 
 # ---------------------------------------------------------------- what replicas publish
+def _publisher(allocator: BlockAllocator, **kwargs) -> PrefixPublisher:
+    """What LLM.publish_prefix_events does to the engine's allocator, on a bare one."""
+    log = ponytail.PrefixEventLog(LOG_CAPACITY)
+    allocator.prefix_events = log
+    return PrefixPublisher(log, **kwargs)
+
+
 def test_reports_carry_the_events_of_the_last_reports_and_idle_ones_none():
     allocator = BlockAllocator(4, 4)
-    publisher = PrefixPublisher(allocator, reports_kept=2)
+    publisher = _publisher(allocator, reports_kept=2)
     allocator.allocate("s", list(range(8)))
     allocator.commit("s", 8)
     h1, h2 = ponytail.prefix_block_hashes(list(range(8)), 4)
-    first = publisher.routing_stats()
+    first = publisher.routing_stats(allocator.num_evictable)
     assert first == {"prefix_seq": 2, "prefix_events": [(h1, True), (h2, True)], "cached_blocks": 0}
     allocator.free("s")  # both blocks stay cached (evictable), the tail first in the LRU
     assert allocator.evict(1) == 1  # drops h2
-    assert publisher.routing_stats() == {"prefix_seq": 3, "prefix_events": [(h1, True), (h2, True), (h2, False)],
+    assert publisher.routing_stats(allocator.num_evictable) == {"prefix_seq": 3, "prefix_events": [(h1, True), (h2, True), (h2, False)],
                                          "cached_blocks": 1}
-    assert publisher.routing_stats()["prefix_events"] == [(h2, False)]  # the first report is out of the window
-    assert publisher.routing_stats() == {"prefix_seq": 3, "prefix_events": [], "cached_blocks": 1}
+    assert publisher.routing_stats(allocator.num_evictable)["prefix_events"] == [(h2, False)]  # the first report is out of the window
+    assert publisher.routing_stats(allocator.num_evictable) == {"prefix_seq": 3, "prefix_events": [], "cached_blocks": 1}
     allocator.shrink(4)  # releasing the pool drops the last cached block too
-    assert publisher.routing_stats()["prefix_events"] == [(h1, False)]
+    assert publisher.routing_stats(allocator.num_evictable)["prefix_events"] == [(h1, False)]
     with pytest.raises(ponytail.ConfigError, match=r"capacity=0 is not supported; allowed: an int >= 1"):
         ponytail.PrefixEventLog(0)
 

@@ -109,3 +109,27 @@ def _has(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def test_behind_serve_one_request_id_metrics_tokenize_and_echo(app):
+    import json
+    import urllib.request
+
+    client, port = app
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", max_tokens=2,
+                                                      temperature=0, echo=True, logprobs=1)
+    assert len(raw.headers.get_list("x-request-id")) == 1  # Serve's proxy sets it; the app adds none
+    choice = raw.parse().choices[0]
+    assert choice.text.startswith("The capital of France is") and choice.logprobs.token_logprobs[0] is None
+    with_id = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                                          extra_headers={"x-request-id": "given-1"})
+    assert with_id.headers.get_list("x-request-id") == ["given-1"] and with_id.parse().id == "cmpl-given-1"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", data=json.dumps({"prompt": "Hi"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.load(response)["count"] >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    assert f'ponytail:generation_tokens_total{{model_name="{MODEL}"}}' in text
+    assert "ponytail:kv_cache_usage_perc{" in text
+    assert client.models.list().data[0].root

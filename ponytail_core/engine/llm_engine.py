@@ -22,10 +22,11 @@ import torch
 from ..kv.config import CacheConfig
 from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from ..errors import ConfigError
-from ..runner.model_runner import ModelRunner
+from ..runner.model_runner import ModelRunner, prompt_logit_positions
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
-from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
+from ..sampling.sampler import (HostSamples, SamplerOutput, SamplingBatch, prompt_logprobs, request_generator,
+                                sample)
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
 from .scheduler import Scheduler
@@ -221,6 +222,7 @@ class LLMEngine:
         else:
             logits = self.runner.execute(chunks, prev.result.token_ids)
         requests = [chunk.request for chunk in chunks if chunk.samples]
+        logits = self._record_prompt_logprobs(chunks, logits, len(requests))
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         if not requests:
@@ -239,6 +241,21 @@ class LLMEngine:
             request.pending_row = row
             promises.grew(request)
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
+
+    @staticmethod
+    def _record_prompt_logprobs(chunks: list[ScheduledChunk], logits, num_sampling: int):
+        """Score the prompt positions this step computed for requests that asked for prompt
+        logprobs (their logits follow the sampling rows); returns the sampling rows."""
+        positions = prompt_logit_positions(chunks)
+        if not positions:
+            return logits
+        requests = [chunk.request for chunk, _ in positions]
+        entries = prompt_logprobs(logits[num_sampling:], [r.prompt_token_ids[p + 1] for r, (_, p) in
+                                                          zip(requests, positions)],
+                                  [r.params.prompt_logprobs for r in requests])
+        for request, entry in zip(requests, entries):
+            request.prompt_logprobs.append(entry)
+        return logits[:num_sampling]
 
     def _finish_in_flight(self) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
@@ -318,7 +335,8 @@ class LLMEngine:
                                       logprobs=request.logprobs)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, metrics=request.metrics, error=request.error)
+                             finished=request.finished, metrics=request.metrics, error=request.error,
+                             prompt_logprobs=request.prompt_logprobs)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""
@@ -332,6 +350,7 @@ class LLMEngine:
         return EngineStats(total_blocks=s.total_blocks, max_blocks=s.max_blocks, free_blocks=s.free_blocks,
                            admissible_blocks=s.free_blocks + self.cache.growable_blocks,
                            promised_blocks=self.scheduler.promises.total, used_blocks=s.used_blocks,
+                           cached_blocks=s.evictable_blocks,
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
                            num_defragmentations=self.cache.num_defragmentations,

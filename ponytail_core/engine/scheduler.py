@@ -120,8 +120,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            # The last token is always computed: its logits give the next token.
-            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=len(tokens) - 1)
+            # The last token is always computed: its logits give the next token. Prompt logprobs
+            # need the logits of every prompt position not yet scored: those are computed too.
+            max_cached = len(tokens) - 1
+            if request.prompt_logits_from is not None:
+                max_cached = min(max_cached, request.prompt_logits_from)
+            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=max_cached)
             if not result:
                 break
             if self.running and self.cache.available_blocks < self.watermark_blocks:

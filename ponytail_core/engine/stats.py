@@ -21,6 +21,7 @@ class EngineStats:
     admissible_blocks: int  # free_blocks plus what the pool may still grow by
     promised_blocks: int  # blocks queued and running requests will still take to reach prompt + max_tokens
     used_blocks: int  # held by live requests
+    cached_blocks: int  # cached prefix blocks nobody holds (evictable, counted in free_blocks)
     num_running: int
     num_waiting: int
     fragmentation: float

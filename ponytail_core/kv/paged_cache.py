@@ -245,6 +245,10 @@ class PagedKVCache:
             self._spare_since = None  # nothing spare (or no longer): the next spare spell counts from 0
         return MaintenanceReport(chunks_added=added, defrag=defrag, chunks_released=released)
 
+    def record_prefix_events(self, log) -> None:
+        """Record into `log` (a PrefixEventLog) every prefix block stored and dropped from now on."""
+        self.allocator.prefix_events = log
+
     def stats(self) -> CacheStats:
         a = self.allocator
         return CacheStats(

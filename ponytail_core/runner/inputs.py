@@ -15,6 +15,8 @@ class StepRequest(Protocol):
 
     request_id: str  # its sequence in the KV pool
     pending_row: int | None  # async scheduling: its last token is row `pending_row` of the step in flight
+    prompt_token_ids: list[int]
+    prompt_logits_from: int | None  # prompt_logprobs: keep logits from this prompt position on (None: none)
 
     @property
     def num_tokens(self) -> int: ...  # prompt + output tokens so far

@@ -6,7 +6,7 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax, or
+Order (vLLM v1): min_tokens mask -> logit_bias -> repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1) noise).
 
 Logprobs follow vLLM's default (logprobs_mode="raw_logprobs"): they are log_softmax of the raw
@@ -73,6 +73,7 @@ class SamplingBatch:
     any_unseeded: bool  # some sampled row draws from the global generator
     max_logprobs: int | None  # most top logprobs a row asked for; None when no row asked
     max_token_id: int  # largest token id indexed above; must be < vocab size
+    logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
 
     @classmethod
     def build(
@@ -106,6 +107,7 @@ class SamplingBatch:
         prompt_pairs, output_pairs, largest_seen = _history_pairs(
             prompt_token_ids if repetition is not None else None, output_token_ids if any_penalty else None, device)
         mask_pairs, largest_stop = _min_tokens_mask(params, output_token_ids, eos_token_id, device)
+        bias, largest_bias = _logit_bias(params, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             rows=rows,
@@ -126,7 +128,8 @@ class SamplingBatch:
             generators=own,
             any_unseeded=len(own) < num_sampled,
             max_logprobs=max(asked) if asked else None,
-            max_token_id=max(largest_seen, largest_stop),
+            max_token_id=max(largest_seen, largest_stop, largest_bias),
+            logit_bias=bias,
         )
 
 
@@ -175,6 +178,16 @@ def _history_pairs(prompt_token_ids: list[list[int]] | None, output_token_ids: l
         output_pairs, seen = _pairs(output_token_ids, device)
         largest = max(largest, seen)
     return prompt_pairs, output_pairs, largest
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device) -> tuple[tuple[Pairs, torch.Tensor] | None, int]:
+    """logit_bias as (row, token) pairs and their float32 values (None: no row has one), and the
+    largest biased token id (-1 if none)."""
+    if not any(p.logit_bias for p in params):
+        return None, -1
+    pairs, largest = _pairs([list(p.logit_bias or ()) for p in params], device)
+    values = [v for p in params for v in (p.logit_bias or {}).values()]
+    return (pairs, _tensor(values, torch.float32, device)), largest
 
 
 def _min_tokens_mask(params: list[SamplingParams], output_token_ids: list[list[int]],
@@ -323,6 +336,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         top = (values - log_norm.unsqueeze(1), ids)
     if batch.min_tokens_mask is not None:
         x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
+    if batch.logit_bias is not None:  # before penalties, as vLLM's logits processors
+        x.index_put_(batch.logit_bias[0], batch.logit_bias[1], accumulate=True)
     apply_penalties(x, batch)
 
     if batch.all_greedy:
@@ -338,3 +353,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     chosen = logits.gather(1, tokens.unsqueeze(1))
     return SamplerOutput(token_ids=tokens, logprobs=chosen.squeeze(1).float() - log_norm,
                          top_logprobs=top, bad_rows=bad_rows)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, float]]:
+    """Per row of logits [rows, vocab] (positions of prompts): {token id: logprob} of the prompt
+    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens.
+
+    Raw log_softmax in float32, as the sampled tokens' logprobs (vLLM's raw_logprobs). Reads the
+    results back: only requests that asked for prompt logprobs pay that host sync.
+    """
+    if logits.shape[0] != len(next_token_ids) or len(top) != len(next_token_ids):
+        raise ValueError(f"logits have {logits.shape[0]} rows; next_token_ids has {len(next_token_ids)}, "
+                         f"top has {len(top)}")
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(top, default=0), logprobs.shape[1])
+    values, ids = (logprobs.topk(k, dim=-1) if k else (None, None))
+    values = values.tolist() if k else None
+    ids = ids.tolist() if k else None
+    entries = []
+    for row, (token, logprob) in enumerate(zip(next_token_ids, chosen)):
+        entry = {token: logprob}
+        for index in range(top[row]):
+            entry.setdefault(ids[row][index], values[row][index])
+        entries.append(entry)
+    return entries
