@@ -10,7 +10,7 @@ check_transformers()
 from .kv.block_allocator import Allocation, NoRoom  # noqa: E402
 from .kv.config import CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
-from .errors import ConfigError, KernelError, PonytailError  # noqa: E402
+from .errors import ConfigError, ContextLengthError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
 from .async_llm import AsyncLLM, RequestDelta  # noqa: E402
 from .plugin.cache import PonytailCache  # noqa: E402
@@ -35,6 +35,7 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "ConfigError",
+    "ContextLengthError",
     "DefragResult",
     "KVEstimate",
     "KernelError",
