@@ -73,6 +73,9 @@ class LLM:
                                 async_scheduling=async_scheduling)
         self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
         self.engine.cache.release_after_s = float(kv_release_after_s)
+        if device.type == "cuda":
+            self.engine.cache.device_headroom_bytes = _step_headroom(text_config, max_num_batched_tokens,
+                                                                     max_num_seqs, config.dtype_size)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 
@@ -129,6 +132,20 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+
+
+STEP_HEADROOM_FIXED = 64 << 20  # cuBLAS workspaces, CUDA graph pools, sampling buffers
+
+
+def _step_headroom(text_config, max_num_batched_tokens: int, max_num_seqs: int, dtype_size: int) -> int:
+    """A generous estimate of one step's transient memory (the KV pool never grows into it): a
+    layer's activations for the full token budget (hidden states, attention, MLP) and fp32
+    logits for every sequence, plus a fixed part."""
+    hidden = int(getattr(text_config, "hidden_size", 4096))
+    intermediate = int(getattr(text_config, "intermediate_size", 4 * hidden))
+    vocab = int(getattr(text_config, "vocab_size", 32000))
+    activations = max_num_batched_tokens * (6 * hidden + 3 * intermediate) * dtype_size
+    return STEP_HEADROOM_FIXED + activations + max_num_seqs * vocab * 4
 
 
 def _share_of_device(share: float, device: torch.device) -> int:

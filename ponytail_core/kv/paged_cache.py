@@ -72,6 +72,9 @@ class PagedKVCache:
         self.peak_allocated_bytes = 0  # the most device memory the pool has held
         self.num_growth_failures = 0  # growths the device refused (out of memory)
         self._no_growth_until = 0.0  # time.monotonic() before which grow() does not try again
+        # CUDA memory growth must leave free for the model's steps (activations, workspaces): the
+        # pool must not starve the forward pass. The engine sets it; 0 (a bare pool): no check.
+        self.device_headroom_bytes = 0
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
@@ -147,21 +150,36 @@ class PagedKVCache:
         if not count or time.monotonic() < self._no_growth_until:
             return 0
         before = self.num_chunks
+        short = self._device_short_by(count * self.storage.chunk_bytes)
+        if short > 0:  # growing would eat the memory the model's steps need: refuse it now
+            self._growth_failed(f"{format_bytes(short)} short of keeping device_headroom_bytes="
+                                f"{format_bytes(self.device_headroom_bytes)} free for the model's steps")
+            return 0
         try:
             self.storage.add_chunks(count)
         except torch.OutOfMemoryError as exc:
-            self._growth_failed(exc)
+            self._growth_failed(str(exc).splitlines()[0][:200])
         added = self.num_chunks - before
         if added:
             self.allocator.grow(added * self.storage.chunk_blocks)
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.storage.allocated_bytes)
         return added
 
-    def _growth_failed(self, exc: BaseException) -> None:
+    def _device_short_by(self, nbytes: int) -> int:
+        """How far the device is from giving `nbytes` and still keeping device_headroom_bytes
+        free (torch's cached but unused memory counts as free); 0 or less when it can."""
+        if not self.device_headroom_bytes or self.storage.device.type != "cuda":
+            return 0
+        device = self.storage.device
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return nbytes + self.device_headroom_bytes - free - cached
+
+    def _growth_failed(self, why: str) -> None:
         self.num_growth_failures += 1
         self._no_growth_until = time.monotonic() + self.GROW_RETRY_S
         if self.num_growth_failures > 1:  # logged once with numbers; the count is in the stats
-            logger.debug("KV pool growth failed again (%d times): %s", self.num_growth_failures, exc)
+            logger.debug("KV pool growth failed again (%d times): %s", self.num_growth_failures, why)
             return
         free = total = None
         if self.storage.device.type == "cuda":
@@ -173,7 +191,7 @@ class PagedKVCache:
             "gpu_memory_utilization to stop this. (%s)",
             self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_bytes),
             format_bytes(self.storage.allocated_bytes), "?" if free is None else format_bytes(free),
-            "?" if total is None else format_bytes(total), self.GROW_RETRY_S, str(exc).splitlines()[0][:200])
+            "?" if total is None else format_bytes(total), self.GROW_RETRY_S, why)
 
     def defragment(self) -> DefragResult:
         """Move every block holding data into the lowest ids (fewest moves, one launch)."""
