@@ -7,6 +7,7 @@ streaming from them through a handle. Other Ray apps call `generate` on the app 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
@@ -23,6 +24,8 @@ from ponytail.utils.units import is_seconds
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
+
+logger = logging.getLogger("ponytail.serve")
 
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
@@ -78,8 +81,9 @@ class AppArgs:
 class OpenAIIngress:
     """HTTP front: the OpenAI API (openai_api.build_app) over the engine replicas."""
 
-    def __init__(self, engine: DeploymentHandle):
+    def __init__(self, engine: DeploymentHandle, retry_after_s: float = 1.0):
         self.engine = engine
+        self.retry_after_s = retry_after_s  # the Retry-After of a 503 when the engines' queue is full
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
@@ -97,11 +101,13 @@ class OpenAIIngress:
                 finished = delta.finished
                 yield delta
         except BackPressureError as exc:
-            raise BackendUnavailable(f"all engine replicas are busy: {exc}") from exc
+            finished = True  # refused before any replica took it: nothing to cancel
+            raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
+                                     retry_after_s=self.retry_after_s) from None
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:  # the consumer left early: cancelling aborts it on the replica
-                response.cancel()
+                _cancel(response, request.request_id)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """For other Ray apps: `serve.get_app_handle("ponytail").options(stream=True).generate.remote(req)`
@@ -115,7 +121,16 @@ class OpenAIIngress:
         """Cancelling the stream cancels the replica's generator, which aborts the request there."""
         response = self._streams.pop(request_id, None)
         if response is not None:
-            response.cancel()
+            _cancel(response, request_id)
+
+
+def _cancel(response, request_id: str) -> None:
+    """Cancel a handle call; never raise. Serve's cancel() fetches the routing result when its
+    router runs in another loop, and a call refused or failed there raises that error again."""
+    try:
+        response.cancel()
+    except Exception as exc:  # the call had already failed: nothing runs on a replica
+        logger.debug("cancelling request %s: it had already failed (%r)", request_id, exc)
 
 
 def _wants_gpu(device: str) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -34,19 +35,23 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ponytail import ConfigError, SamplingParams
+from ponytail import ConfigError, ContextLengthError, SamplingParams
 
 from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
                               CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
                               Usage, to_generate_request)
+from .http_guard import AccessPolicy, install
+from .limits import LimitExceeded, RequestLimits
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 
 logger = logging.getLogger("ponytail.openai")
 
 ABORT_TIMEOUT_S = 5.0  # the most a cleanup waits on backend.abort
+MAX_MESSAGE_CHARS = 1000  # error messages are cut here, so user input is never echoed back whole
 _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")  # ConfigError messages start "field=value ..."
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
 
 
@@ -59,22 +64,34 @@ class Backend(Protocol):
 
 
 class BackendUnavailable(Exception):
-    """Raised by a backend when no engine replica can take the request now; the API answers 503."""
+    """Raised by a backend when no engine replica can take the request now; the API answers 503
+    with Retry-After: retry_after_s (rounded up to whole seconds, as HTTP wants)."""
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0):
+        super().__init__(message, retry_after_s)  # all in args: it crosses Ray handles pickled
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class APIError(Exception):
     """An error answered as is, in OpenAI's shape {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float = 1.0):
+        if len(message) > MAX_MESSAGE_CHARS:  # messages may quote user input: never echo it whole
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
         self.info = ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
 
     def body(self) -> str:
         return ErrorResponse(error=self.info).model_dump_json()
 
     def response(self) -> Response:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status == 503 else None
         return Response(self.body(), status_code=self.status, media_type="application/json", headers=headers)
 
 
@@ -101,6 +118,12 @@ def _api_error(exc: BaseException, request_id: str | None = None,
     """The answer for an exception: ours as is, ConfigError 400, BackendUnavailable 503, else 500."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LimitExceeded):
+        return APIError(exc.status, str(exc), param=exc.param, code=exc.code)
+    if (context := _find(exc, ContextLengthError)) is not None:  # OpenAI's code for it, and the field at fault
+        param = context.too_many_tokens
+        return APIError(400, str(context), param=field_name(param) if field_name else param,
+                        code="context_length_exceeded")
     if (config := _find(exc, ConfigError)) is not None:
         message = str(config)
         match = _PARAM.match(message)
@@ -111,7 +134,7 @@ def _api_error(exc: BaseException, request_id: str | None = None,
         return APIError(400, message, param=param)
     if (unavailable := _find(exc, BackendUnavailable)) is not None:
         return APIError(503, str(unavailable) or "no engine replica is available now; retry later",
-                        code="service_unavailable")
+                        code="service_unavailable", retry_after_s=getattr(unavailable, "retry_after_s", 1.0))
     logger.error("request %s failed", request_id, exc_info=exc)
     which = f" in request {request_id}" if request_id else ""
     return APIError(500, f"internal server error{which}; the server log has the details")
@@ -131,7 +154,8 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 def _model_not_found(model: str, info: ModelInfo) -> APIError:
-    return APIError(404, f"the model {model!r} does not exist; this server serves {info.model_id!r}",
+    shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
+    return APIError(404, f"the model {shown} does not exist; this server serves {info.model_id!r}",
                     param="model", code="model_not_found")
 
 
@@ -264,8 +288,9 @@ class _ChatFormat(_CompletionFormat):
 
 
 class _OpenAIServer:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, limits: RequestLimits):
         self.backend = backend
+        self.limits = limits
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
         self.created = int(time.time())
 
@@ -298,6 +323,7 @@ class _OpenAIServer:
             info = await self.model_info()
             if req.model is not None and req.model != info.model_id:
                 raise _model_not_found(req.model, info)
+            self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
             generate = to_generate_request(req)
             request_id = generate.request_id
             SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
@@ -368,10 +394,14 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error; the server log has the details").response()
 
 
-def build_app(backend: Backend) -> FastAPI:
-    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide)."""
-    server = _OpenAIServer(backend)
+def build_app(backend: Backend, limits: RequestLimits | None = None, policy: AccessPolicy | None = None) -> FastAPI:
+    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide),
+    with the request limits and the HTTP gate (API key, JSON only, body size, CORS) given."""
+    limits = limits or RequestLimits()
+    policy = policy or AccessPolicy(max_body_bytes=limits.max_body_bytes)
+    server = _OpenAIServer(backend, limits)
     app = FastAPI(title="Ponytail OpenAI-compatible API")
+    install(app, policy)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 

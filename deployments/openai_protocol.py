@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from .protocol import GenerateRequest
@@ -84,10 +85,11 @@ class _SamplingRequest(_Request):
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # OpenAI's ranges (SamplingParams alone would take any temperature >= 0)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
     stop: Stop = None
     n: int | None = None  # only 1 (SamplingParams says so)
@@ -103,6 +105,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: Annotated[Unsupported, _unsupported(lambda v: v == {}, "logit_bias")] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("not_supported", "stream_options is only allowed with stream=true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -123,9 +132,13 @@ class TextPart(_Request):
 
 
 class ChatMessageParam(_Request):
-    role: str  # system, developer, user, assistant, tool: the chat template decides what it accepts
-    content: Annotated[str | list[TextPart] | None, _one_error(
-        "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = None
+    # "tool" messages answer tool calls, which this server does not make
+    role: Literal["system", "developer", "user", "assistant"]
+    # null is OpenAI's content for an assistant message that only calls tools: not supported here
+    content: Annotated[str | list[TextPart], _one_error(
+        "must be a string or a list of text parts (type 'text'); images, audio and null are not supported")]
+    name: str | None = None  # accepted and ignored, as the chat template has no place for it
+    tool_calls: Annotated[Unsupported, _unsupported(lambda v: v == [], "tool_calls")] = None
 
     def to_dict(self) -> dict[str, str]:
         content = self.content
@@ -140,6 +153,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: Annotated[Unsupported, _unsupported(lambda v: v is False, "logprobs=true")] = None
     top_logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "top_logprobs")] = None
     tools: Annotated[Unsupported, _unsupported(lambda v: v == [], "tools")] = None
+    tool_choice: Annotated[Unsupported, _unsupported(lambda v: v in ("none", "auto"),
+                                                     "tool_choice other than none or auto (no tools)")] = None
     response_format: Annotated[Unsupported, _unsupported(
         lambda v: isinstance(v, dict) and v.get("type") == "text", "response_format other than text")] = None
 
@@ -147,7 +162,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """The request field a SamplingParams field came from (for error messages)."""
         if sampling_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return sampling_name
+        return "messages" if sampling_name == "prompt" else sampling_name
 
 
 def to_generate_request(req: CompletionRequest | ChatCompletionRequest,

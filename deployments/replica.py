@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -43,12 +44,9 @@ class EngineReplica:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
-        prompt = request.prompt
-        if request.messages is not None:
-            prompt = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
-            if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
-                prompt = list(prompt["input_ids"])
+        # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
+        # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
+        prompt = await asyncio.to_thread(self._prompt_token_ids, request)
         prompt_tokens = None
         async for delta in self.engine.generate(prompt, params, request.request_id):
             output = delta.output
@@ -60,6 +58,19 @@ class EngineReplica:
                                 finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
                                 prompt_tokens=prompt_tokens, completion_tokens=len(output.token_ids),
                                 error=output.error)
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> str | list[int]:
+        """The request's prompt as token ids (as the engine would tokenize it), or as given
+        when it is already ids or the engine has no tokenizer."""
+        if request.messages is not None:
+            prompt = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
+            if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
+                prompt = list(prompt["input_ids"])
+            return prompt
+        if isinstance(request.prompt, str) and request.prompt and self.tokenizer is not None:
+            return self.tokenizer(request.prompt, add_special_tokens=True)["input_ids"]
+        return request.prompt
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine.abort(request_id)
