@@ -8,9 +8,10 @@ streaming from them through a handle. Other Ray apps call `generate` on the app 
 from __future__ import annotations
 
 import logging
+import os
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import ray
@@ -21,6 +22,8 @@ from ray.serve.handle import DeploymentHandle
 
 from ponytail.utils.units import is_seconds
 
+from .http_guard import API_KEY_ENV, AccessPolicy
+from .limits import RequestLimits
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
@@ -41,21 +44,39 @@ class AppArgs:
     model_id: str | None = None  # the name clients put in "model"
     device: str = "auto"  # auto | cuda | cpu: auto takes one GPU per replica when the cluster has GPUs
     kv_cache_memory: int | str | None = None  # per replica; None: what the device has free
+    # per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the replica's
+    # num_gpus, so 0.45 puts two replicas on one GPU. Excludes kv_cache_memory.
+    gpu_memory_utilization: float | None = None
     max_num_seqs: int = 64
     max_model_len: int | None = None
     block_size: int = 16
     min_replicas: int = 1
     max_replicas: int = 2
     target_ongoing_requests: float = 16
-    max_queued_requests: int = 256  # beyond this the API answers 503
+    max_queued_requests: int = 256  # requests waiting for a replica (router hold included); beyond: 503
+    max_ongoing_requests: int | None = None  # per replica (running + queued in its engine); None: 2 x max_num_seqs
+    retry_after_s: float = 1.0  # Retry-After of a 503
     stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
     router: str = "kv_blocks"  # kv_blocks (deployments.router) | power_of_two (Serve's default, to compare)
     max_hold_s: float = 10.0  # kv_blocks: longest wait in the router while no replica has room (0: never)
     compile_model: bool = False  # torch.compile the decoder layers: ~21% more decode tokens/s on a 7B (H200)
     stream_interval_s: float = 0.05  # a stream's deltas merged over this long (first token and end not held)
+    # Access (see http_guard.py); api_key None: PONYTAIL_API_KEY from the environment, else no key
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)  # browser origins allowed; none: no CORS headers
+    # Request limits (see limits.py): refused before any work
+    max_body_bytes: int = 4 << 20  # 413 beyond
+    max_prompt_tokens: int | None = None  # None: the context (max_model_len)
+    max_output_tokens: int | None = None  # the largest max_tokens; None: the context
+    max_n: int = 1
+    max_stop: int = 16  # stop strings per request
+    max_stop_chars: int = 256  # characters per stop string
 
     ENGINE_FIELDS = ("model", "model_id", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size",
-                     "compile_model", "stream_interval_s")  # what EngineReplica takes, besides the device
+                     "compile_model", "stream_interval_s", "gpu_memory_utilization",
+                     "max_prompt_tokens")  # what EngineReplica takes, besides the device
+    LIMIT_FIELDS = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n", "max_stop",
+                    "max_stop_chars")  # RequestLimits
 
     def __post_init__(self):
         if self.device not in ("auto", "cuda", "cpu"):
@@ -71,9 +92,39 @@ class AppArgs:
         if not is_seconds(interval, most=1):
             raise ValueError(f"stream_interval_s={interval!r} is not supported; allowed: seconds from 0 to 1 "
                              "(0: a message per engine step)")
+        self.limits()  # ValueError naming a bad limit
+        share = self.gpu_memory_utilization
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise ValueError(f"gpu_memory_utilization={share!r} is not supported; allowed: a share of the GPU "
+                             "in (0, 1], or null")
+        if share is not None and self.kv_cache_memory is not None:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} and gpu_memory_utilization={share!r}: "
+                             "allowed: one of them")
+        if self.max_ongoing_requests is not None and (isinstance(self.max_ongoing_requests, bool) or not isinstance(
+                self.max_ongoing_requests, int) or self.max_ongoing_requests < 1):
+            raise ValueError(f"max_ongoing_requests={self.max_ongoing_requests!r} is not supported; allowed: an "
+                             "integer >= 1 or null (2 x max_num_seqs)")
+        if not is_seconds(self.retry_after_s) or self.retry_after_s <= 0:
+            raise ValueError(f"retry_after_s={self.retry_after_s!r} is not supported; allowed: seconds > 0")
+        if not isinstance(self.cors_origins, list) or not all(isinstance(o, str) for o in self.cors_origins):
+            raise ValueError(f"cors_origins={self.cors_origins!r} is not supported; allowed: a list of origins "
+                             "such as ['https://app.example.com']")
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                              "need 1 <= min_replicas <= max_replicas")
+
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in self.LIMIT_FIELDS})
+
+    def access(self) -> AccessPolicy:
+        """The HTTP gate's policy; the API key from the args, else from PONYTAIL_API_KEY."""
+        return AccessPolicy(api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
+                            cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes)
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_num_seqs * 2 if self.max_ongoing_requests is None else self.max_ongoing_requests
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -81,13 +132,16 @@ class AppArgs:
 class OpenAIIngress:
     """HTTP front: the OpenAI API (openai_api.build_app) over the engine replicas."""
 
-    def __init__(self, engine: DeploymentHandle, retry_after_s: float = 1.0):
+    def __init__(self, engine: DeploymentHandle, retry_after_s: float = 1.0, limits: RequestLimits | None = None,
+                 access: AccessPolicy | None = None):
         self.engine = engine
         self.retry_after_s = retry_after_s  # the Retry-After of a 503 when the engines' queue is full
+        self.limits = limits or RequestLimits()
+        self.access = access or AccessPolicy(max_body_bytes=self.limits.max_body_bytes)
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
-        return build_app(self)
+        return build_app(self, self.limits, self.access)
 
     async def model_info(self) -> ModelInfo:
         return await self.engine.model_info.remote()
@@ -144,7 +198,10 @@ def _wants_gpu(device: str) -> bool:
 def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
     """EngineReplica's constructor arguments from the app's args."""
     values = asdict(settings)
-    return {**{name: values[name] for name in AppArgs.ENGINE_FIELDS}, "device": "cuda" if gpu else "cpu"}
+    arguments = {**{name: values[name] for name in AppArgs.ENGINE_FIELDS}, "device": "cuda" if gpu else "cpu"}
+    if not gpu:
+        arguments["gpu_memory_utilization"] = None  # a CPU replica has no GPU to take a share of
+    return arguments
 
 
 def router_arguments(settings: AppArgs) -> dict:
@@ -159,12 +216,12 @@ def build(args: dict | None = None):
     engine = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        ray_actor_options={"num_gpus": 1 if gpu else 0, "num_cpus": 1},
+        ray_actor_options={"num_gpus": (settings.gpu_memory_utilization or 1) if gpu else 0, "num_cpus": 1},
         autoscaling_config=AutoscalingConfig(min_replicas=settings.min_replicas,
                                              max_replicas=settings.max_replicas,
                                              target_ongoing_requests=settings.target_ongoing_requests,
                                              upscale_delay_s=2, downscale_delay_s=10),
-        max_ongoing_requests=settings.max_num_seqs * 2,
+        max_ongoing_requests=settings.replica_max_ongoing_requests,
         max_queued_requests=settings.max_queued_requests,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router],
                                                   request_routing_stats_period_s=settings.stats_period_s,
@@ -174,6 +231,7 @@ def build(args: dict | None = None):
     engine_args = engine_arguments(settings, gpu)
     # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
     # holds its slot while it streams): let the ingress take what the engines can run and queue.
-    ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.max_num_seqs * 2
+    ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.replica_max_ongoing_requests
                                     + settings.max_queued_requests)
-    return ingress.bind(engine.bind(**engine_args))
+    return ingress.bind(engine.bind(**engine_args), retry_after_s=settings.retry_after_s, limits=settings.limits(),
+                        access=settings.access())

@@ -25,9 +25,11 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = 16,
-                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0):
+                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0,
+                 gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)
+                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
+                                gpu_memory_utilization=gpu_memory_utilization)
         # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
         # that sends them shares the GIL with the engine's step thread.
         self.engine = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
@@ -38,6 +40,9 @@ class EngineReplica:
                               device=str(config.device), device_uuid=_device_uuid(config.device))
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
+        context_len = self.info.max_model_len
+        self.max_prompt_tokens = context_len if max_prompt_tokens is None else min(max_prompt_tokens, context_len)
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
@@ -46,7 +51,12 @@ class EngineReplica:
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
+        self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
         prompt = await asyncio.to_thread(self._prompt_token_ids, request)
+        if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
+                f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
         prompt_tokens = None
         async for delta in self.engine.generate(prompt, params, request.request_id):
             output = delta.output
@@ -58,6 +68,24 @@ class EngineReplica:
                                 finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
                                 prompt_tokens=prompt_tokens, completion_tokens=len(output.token_ids),
                                 error=output.error)
+
+    def _refuse_certainly_too_long(self, request: GenerateRequest, params: SamplingParams) -> None:
+        """No token covers more than max_token_bytes bytes of text, so a text of more bytes than
+        max_prompt_tokens x max_token_bytes is too long whatever it tokenizes to."""
+        if self.max_token_bytes is None:
+            return
+        if request.messages is not None:
+            size = sum(len(str(m.get("content") or "").encode()) for m in request.messages)
+        elif isinstance(request.prompt, str):
+            size = len(request.prompt.encode())
+        else:
+            return
+        least = size // self.max_token_bytes
+        if least > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has at least {least} tokens ({size} bytes of text, at most {self.max_token_bytes} per "
+                f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
+                least, params.max_tokens, self.max_prompt_tokens)
 
     def _prompt_token_ids(self, request: GenerateRequest) -> str | list[int]:
         """The request's prompt as token ids (as the engine would tokenize it), or as given
@@ -125,6 +153,16 @@ class EngineReplica:
     def _max_blocks(self) -> int:
         cache = self.llm.engine.cache
         return cache.max_chunks * cache.storage.chunk_blocks
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the bytes of text one token stands for: twice the longest token string in
+    UTF-8 (byte-level and SentencePiece token strings spell each text byte with at least one byte;
+    the factor 2 covers normalizers that shorten text). None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return 2 * max(len(t.encode()) for t in tokens if t)
 
 
 def _in_serve() -> bool:
