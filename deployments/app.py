@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -144,7 +144,11 @@ class OpenAIIngress:
         return build_app(self, self.limits, self.access)
 
     async def model_info(self) -> ModelInfo:
-        return await self.engine.model_info.remote()
+        try:
+            return await self.engine.model_info.remote()
+        except BackPressureError as exc:  # the engines' queue bounds this call too
+            raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
+                                     retry_after_s=self.retry_after_s) from None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         response = self.engine.options(stream=True).generate.remote(request)
@@ -230,8 +234,12 @@ def build(args: dict | None = None):
     )
     engine_args = engine_arguments(settings, gpu)
     # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
-    # holds its slot while it streams): let the ingress take what the engines can run and queue.
-    ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.replica_max_ongoing_requests
-                                    + settings.max_queued_requests)
+    # holds its slot while it streams). The ingress takes more than the engines can run and queue,
+    # so overload meets the engines' bound and gets the API's 503 (a refusal frees its slot at
+    # once); its own queue is bounded too, as a backstop (Serve's plain 503, same Retry-After).
+    engines = settings.max_replicas * settings.replica_max_ongoing_requests
+    ingress = OpenAIIngress.options(max_ongoing_requests=engines + 2 * settings.max_queued_requests,
+                                    max_queued_requests=engines + 4 * settings.max_queued_requests,
+                                    backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s))
     return ingress.bind(engine.bind(**engine_args), retry_after_s=settings.retry_after_s, limits=settings.limits(),
                         access=settings.access())

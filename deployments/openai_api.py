@@ -292,11 +292,15 @@ class _OpenAIServer:
         self.backend = backend
         self.limits = limits
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
+        self._asking: asyncio.Future | None = None  # the one backend.model_info call in flight
         self.created = int(time.time())
 
     async def model_info(self) -> ModelInfo:
+        """The backend's answer, asked once: a burst of first requests shares one call."""
         if self._info is None:
-            self._info = await self.backend.model_info()
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self.backend.model_info())
+            self._info = await asyncio.shield(self._asking)
         return self._info
 
     async def models(self, model_id: str | None = None) -> Response:
