@@ -17,6 +17,7 @@ from typing import Any
 import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig, BackpressureConfig, RequestRouterConfig
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
@@ -29,6 +30,8 @@ from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
 
 logger = logging.getLogger("ponytail.serve")
+
+INGRESS_SHUTDOWN_EXTRA_S = 10.0  # the ingress's graceful shutdown outlasts the engines' by this much
 
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
@@ -56,6 +59,9 @@ class AppArgs:
     max_queued_requests: int = 256  # requests waiting for a replica (router hold included); beyond: 503
     max_ongoing_requests: int | None = None  # per replica (running + queued in its engine); None: 2 x max_num_seqs
     retry_after_s: float = 1.0  # Retry-After of a 503
+    # Shutdown: engine replicas finish their streams for up to this long, then stop; the ingress
+    # outlives them by INGRESS_SHUTDOWN_EXTRA_S, so each open stream gets an error event and [DONE].
+    shutdown_timeout_s: float = 10.0
     stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
     router: str = "kv_blocks"  # kv_blocks (deployments.router) | power_of_two (Serve's default, to compare)
     max_hold_s: float = 10.0  # kv_blocks: longest wait in the router while no replica has room (0: never)
@@ -104,6 +110,8 @@ class AppArgs:
                 self.max_ongoing_requests, int) or self.max_ongoing_requests < 1):
             raise ValueError(f"max_ongoing_requests={self.max_ongoing_requests!r} is not supported; allowed: an "
                              "integer >= 1 or null (2 x max_num_seqs)")
+        if not is_seconds(self.shutdown_timeout_s) or self.shutdown_timeout_s <= 0:
+            raise ValueError(f"shutdown_timeout_s={self.shutdown_timeout_s!r} is not supported; allowed: seconds > 0")
         if not is_seconds(self.retry_after_s) or self.retry_after_s <= 0:
             raise ValueError(f"retry_after_s={self.retry_after_s!r} is not supported; allowed: seconds > 0")
         if not isinstance(self.cors_origins, list) or not all(isinstance(o, str) for o in self.cors_origins):
@@ -161,6 +169,12 @@ class OpenAIIngress:
         except BackPressureError as exc:
             finished = True  # refused before any replica took it: nothing to cancel
             raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
+                                     retry_after_s=self.retry_after_s) from None
+        except RayActorError as exc:  # shutdown (engines stop before the ingress) or a failed replica
+            finished = True  # its actor is gone: nothing to cancel
+            logger.warning("request %s: its engine replica stopped: %s", request.request_id, exc)
+            raise BackendUnavailable("the engine replica serving this request stopped (the server is shutting "
+                                     "down or the replica failed); retry later",
                                      retry_after_s=self.retry_after_s) from None
         finally:
             self._streams.pop(request.request_id, None)
@@ -226,6 +240,7 @@ def build(args: dict | None = None):
                                              target_ongoing_requests=settings.target_ongoing_requests,
                                              upscale_delay_s=2, downscale_delay_s=10),
         max_ongoing_requests=settings.replica_max_ongoing_requests,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
         max_queued_requests=settings.max_queued_requests,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router],
                                                   request_routing_stats_period_s=settings.stats_period_s,
@@ -240,6 +255,7 @@ def build(args: dict | None = None):
     engines = settings.max_replicas * settings.replica_max_ongoing_requests
     ingress = OpenAIIngress.options(max_ongoing_requests=engines + 2 * settings.max_queued_requests,
                                     max_queued_requests=engines + 4 * settings.max_queued_requests,
-                                    backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s))
+                                    backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s),
+                                    graceful_shutdown_timeout_s=settings.shutdown_timeout_s + INGRESS_SHUTDOWN_EXTRA_S)
     return ingress.bind(engine.bind(**engine_args), retry_after_s=settings.retry_after_s, limits=settings.limits(),
                         access=settings.access())
