@@ -8,10 +8,13 @@ needs three methods:
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]   # an async generator
     async def abort(self, request_id: str) -> None
 
-A request's life: parse the body (type errors -> 400 naming the field), check `model` (404),
-build ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
+A request's life: the HTTP guard (http_guard.py: API key 401, JSON only 415, body size 413),
+parse the body (type errors and OpenAI's ranges -> 400 naming the field), check `model` (404) and
+the request limits (limits.py, 400; `context_length_exceeded` when over the context), build
+ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
 the backend stream and wait for its first delta, so an error raised there (a prompt too long is a
-ConfigError -> 400, BackendUnavailable -> 503, anything else -> 500) still gets a status code.
+ConfigError -> 400, BackendUnavailable -> 503 with Retry-After, anything else -> 500) still gets
+a status code.
 Then either collect the text into one JSON body or send it as server-sent events. Errors after
 the first event are sent as a last `data: {"error": ...}` event before `data: [DONE]`. A client
 that goes away mid-request gets its request aborted: the stream's generator is cancelled or

@@ -137,7 +137,6 @@ class ChatMessageParam(_Request):
     # null is OpenAI's content for an assistant message that only calls tools: not supported here
     content: Annotated[str | list[TextPart], _one_error(
         "must be a string or a list of text parts (type 'text'); images, audio and null are not supported")]
-    name: str | None = None  # accepted and ignored, as the chat template has no place for it
     tool_calls: Annotated[Unsupported, _unsupported(lambda v: v == [], "tool_calls")] = None
 
     def to_dict(self) -> dict[str, str]:
