@@ -16,6 +16,9 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
 
 from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
 
+from .http_guard import API_KEY_ENV, AccessPolicy
+from .limits import RequestLimits
+
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
     "prefix": "deployments.prefix_router:PrefixAffinityRouter",  # kv_blocks plus prefix-cache affinity
@@ -39,6 +42,9 @@ class AppArgs(BaseModel):
                         "cluster has GPUs")
     kv_cache_memory: int | str | None = Field(None, description="KV cache per replica, bytes or \"4GiB\"; "
                                               "unset: what the device has free (2 GiB on a CPU)")
+    gpu_memory_utilization: float | None = Field(
+        None, description="per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the "
+                          "replica's num_gpus, so 0.45 puts two replicas on one GPU; excludes kv_cache_memory")
     max_num_seqs: int = Field(64, description="sequences one replica runs at once")
     max_model_len: int | None = Field(None, description="longest prompt + output in tokens; unset: "
                                       "the model's")
@@ -46,7 +52,13 @@ class AppArgs(BaseModel):
     min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
     max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
     target_ongoing_requests: float = Field(16, description="requests per replica the autoscaler aims at")
-    max_queued_requests: int = Field(256, description="requests queued beyond this get 503")
+    max_queued_requests: int = Field(256, description="requests waiting for a replica (router hold included); "
+                                     "beyond this: 503")
+    max_ongoing_requests: int | None = Field(None, description="per replica, running + queued in its engine; "
+                                             "unset: 2 x max_num_seqs")
+    retry_after_s: float = Field(1.0, description="the Retry-After of a 503, seconds")
+    shutdown_timeout_s: float = Field(10.0, description="on shutdown engine replicas finish their streams for "
+                                      "this long, then every open stream gets an error event and [DONE]")
     stats_period_s: float = Field(0.2, description="how often replicas report free KV blocks to the "
                                   "router, seconds")
     router: str = Field("kv_blocks", description="kv_blocks (deployments.router) | prefix "
@@ -60,10 +72,24 @@ class AppArgs(BaseModel):
                                 "tokens/s on a 7B (H200), slower start")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
+    api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
+                                f"{API_KEY_ENV} from the environment, else no key")
+    cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
+                                    "none: no CORS headers")
+    max_body_bytes: int = Field(4 << 20, description="request bodies beyond this get 413")
+    max_prompt_tokens: int | None = Field(None, description="longest prompt in tokens; unset: the context "
+                                          "(max_model_len)")
+    max_output_tokens: int | None = Field(None, description="the largest max_tokens; unset: the context")
+    max_n: int = Field(1, description="the largest n (choices per request)")
+    max_stop: int = Field(16, description="stop strings per request")
+    max_stop_chars: int = Field(256, description="characters per stop string")
 
     # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
-                                                "block_size", "compile_model", "stream_interval_s")
+                                                "block_size", "compile_model", "stream_interval_s",
+                                                "gpu_memory_utilization", "max_prompt_tokens")
+    LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
+                                               "max_stop", "max_stop_chars")  # RequestLimits
 
     @field_validator("device")
     @classmethod
@@ -117,12 +143,51 @@ class AppArgs(BaseModel):
             raise ValueError(f"{info.field_name}={value} is not supported; allowed: an integer >= 1")
         return value
 
+    @field_validator("max_ongoing_requests")
+    @classmethod
+    def _max_ongoing(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_ongoing_requests={value} is not supported; allowed: an integer >= 1 or null "
+                             "(2 x max_num_seqs)")
+        return value
+
+    @field_validator("retry_after_s", "shutdown_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float, info) -> float:
+        if not is_seconds(value) or value <= 0:
+            raise ValueError(f"{info.field_name}={value:g} is not supported; allowed: seconds > 0")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _gpu_share(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"gpu_memory_utilization={value:g} is not supported; allowed: a share of the GPU "
+                             "in (0, 1], or null")
+        return value
+
     @model_validator(mode="after")
-    def _replicas(self) -> AppArgs:
+    def _together(self) -> AppArgs:
         if not 1 <= self.min_replicas <= self.max_replicas:
             raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
                              "need 1 <= min_replicas <= max_replicas")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} and gpu_memory_utilization="
+                             f"{self.gpu_memory_utilization!r}: allowed: one of them")
+        self.limits()  # ValueError naming a bad limit
         return self
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in self.LIMIT_FIELDS})
+
+    def access(self) -> AccessPolicy:
+        """The HTTP gate's policy; the API key from the args, else from PONYTAIL_API_KEY."""
+        return AccessPolicy(api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
+                            cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes)
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_num_seqs * 2 if self.max_ongoing_requests is None else self.max_ongoing_requests
 
     def served_name(self) -> str:
         """What clients put in "model": a hub id stays whole (clients load its tokenizer by it)."""

@@ -12,10 +12,13 @@ ingress in app.py, a fake in the tests) needs these methods (the last two for /t
     async def detokenize(self, token_ids: list[int]) -> str
     async def engine_stats(self) -> dict[str, EngineStats]   # optional: engine series in /metrics
 
-A request's life: parse the body (type errors -> 400 naming the field), check `model` (404),
-build ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
+A request's life: the HTTP guard (http_guard.py: API key 401, JSON only 415, body size 413),
+parse the body (type errors and OpenAI's ranges -> 400 naming the field), check `model` (404) and
+the request limits (limits.py, 400; `context_length_exceeded` when over the context), build
+ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
 the backend stream and wait for its first delta, so an error raised there (a prompt too long is a
-ConfigError -> 400, BackendUnavailable -> 503, anything else -> 500) still gets a status code.
+ConfigError -> 400, BackendUnavailable -> 503 with Retry-After, anything else -> 500) still gets
+a status code.
 Then either collect the text into one JSON body or send it as server-sent events. Errors after
 the first event are sent as a last `data: {"error": ...}` event before `data: [DONE]`. A client
 that goes away mid-request gets its request aborted: the stream's generator is cancelled or
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import re
 import time
 import uuid
@@ -41,7 +45,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 import ponytail
-from ponytail import ConfigError, SamplingParams
+from ponytail import ConfigError, ContextLengthError, SamplingParams
 
 from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
@@ -52,12 +56,16 @@ from .api_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .api_metrics import ApiMetrics
 from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
+from .http_guard import AccessPolicy, install
+from .limits import LimitExceeded, RequestLimits
 
 logger = logging.getLogger("ponytail.openai")
 
 ABORT_TIMEOUT_S = 5.0  # the most a cleanup waits on backend.abort
+MAX_MESSAGE_CHARS = 1000  # error messages are cut here, so user input is never echoed back whole
 _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")  # ConfigError messages start "field=value ..."
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
 
 
@@ -70,22 +78,34 @@ class Backend(Protocol):
 
 
 class BackendUnavailable(Exception):
-    """Raised by a backend when no engine replica can take the request now; the API answers 503."""
+    """Raised by a backend when no engine replica can take the request now; the API answers 503
+    with Retry-After: retry_after_s (rounded up to whole seconds, as HTTP wants)."""
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0):
+        super().__init__(message, retry_after_s)  # all in args: it crosses Ray handles pickled
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class APIError(Exception):
     """An error answered as is, in OpenAI's shape {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float = 1.0):
+        if len(message) > MAX_MESSAGE_CHARS:  # messages may quote user input: never echo it whole
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
         self.info = ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
 
     def body(self) -> str:
         return ErrorResponse(error=self.info).model_dump_json()
 
     def response(self) -> Response:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status == 503 else None
         return Response(self.body(), status_code=self.status, media_type="application/json", headers=headers)
 
 
@@ -112,6 +132,12 @@ def _api_error(exc: BaseException, request_id: str | None = None,
     """The answer for an exception: ours as is, ConfigError 400, BackendUnavailable 503, else 500."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LimitExceeded):
+        return APIError(exc.status, str(exc), param=exc.param, code=exc.code)
+    if (context := _find(exc, ContextLengthError)) is not None:  # OpenAI's code for it, and the field at fault
+        param = context.too_many_tokens
+        return APIError(400, str(context), param=field_name(param) if field_name else param,
+                        code="context_length_exceeded")
     if (config := _find(exc, ConfigError)) is not None:
         message = str(config)
         match = _PARAM.match(message)
@@ -122,7 +148,7 @@ def _api_error(exc: BaseException, request_id: str | None = None,
         return APIError(400, message, param=param)
     if (unavailable := _find(exc, BackendUnavailable)) is not None:
         return APIError(503, str(unavailable) or "no engine replica is available now; retry later",
-                        code="service_unavailable")
+                        code="service_unavailable", retry_after_s=getattr(unavailable, "retry_after_s", 1.0))
     logger.error("request %s failed", request_id, exc_info=exc)
     which = f" in request {request_id}" if request_id else ""
     return APIError(500, f"internal server error{which}; the server log has the details")
@@ -142,7 +168,8 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 def _model_not_found(model: str, info: ModelInfo) -> APIError:
-    return APIError(404, f"the model {model!r} does not exist; this server serves {info.model_id!r}",
+    shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
+    return APIError(404, f"the model {shown} does not exist; this server serves {info.model_id!r}",
                     param="model", code="model_not_found")
 
 
@@ -302,16 +329,21 @@ class _ChatFormat(_CompletionFormat):
 
 
 class _OpenAIServer:
-    def __init__(self, backend: Backend, request_id_header: bool = True):
+    def __init__(self, backend: Backend, limits: RequestLimits, request_id_header: bool = True):
         self.backend = backend
+        self.limits = limits
         self.request_id_header = request_id_header  # False behind Serve, whose proxy sets x-request-id
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
+        self._asking: asyncio.Future | None = None  # the one backend.model_info call in flight
         self._metrics: ApiMetrics | None = None  # made with the first model_info: it labels the series
         self.created = int(time.time())
 
     async def model_info(self) -> ModelInfo:
+        """The backend's answer, asked once: a burst of first requests shares one call."""
         if self._info is None:
-            self._info = await self.backend.model_info()
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self.backend.model_info())
+            self._info = await asyncio.shield(self._asking)
         return self._info
 
     def metrics(self, info: ModelInfo) -> ApiMetrics:
@@ -354,6 +386,7 @@ class _OpenAIServer:
             info = await self.model_info()
             if req.model is not None and req.model != info.model_id:
                 raise _model_not_found(req.model, info)
+            self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
             generates = to_generate_requests(req, base_id)
             request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
@@ -524,14 +557,19 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error; the server log has the details").response()
 
 
-def build_app(backend: Backend, request_id_header: bool = True) -> FastAPI:
-    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide).
+def build_app(backend: Backend, limits: RequestLimits | None = None, policy: AccessPolicy | None = None,
+              request_id_header: bool = True) -> FastAPI:
+    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide),
+    with the request limits and the HTTP gate (API key, JSON only, body size, CORS) given.
 
     request_id_header: answer with an X-Request-Id header (the request's x-request-id if it had
     one, else its id). False behind Ray Serve: its proxy adds that header itself, from the same
     incoming x-request-id (or its own id, which then reaches this app as x-request-id)."""
-    server = _OpenAIServer(backend, request_id_header)
+    limits = limits or RequestLimits()
+    policy = policy or AccessPolicy(max_body_bytes=limits.max_body_bytes)
+    server = _OpenAIServer(backend, limits, request_id_header)
     app = FastAPI(title="Ponytail OpenAI-compatible API")
+    install(app, policy)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 

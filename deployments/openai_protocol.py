@@ -19,7 +19,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
 from ponytail import ConfigError
@@ -82,10 +83,11 @@ class _SamplingRequest(_Request):
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # OpenAI's ranges (SamplingParams alone would take any temperature >= 0)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
     stop: Stop = None
     n: int | None = None  # only 1 (SamplingParams says so)
@@ -101,6 +103,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("not_supported", "stream_options is only allowed with stream=true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -121,9 +130,12 @@ class TextPart(_Request):
 
 
 class ChatMessageParam(_Request):
-    role: str  # system, developer, user, assistant, tool: the chat template decides what it accepts
-    content: Annotated[str | list[TextPart] | None, _one_error(
-        "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = None
+    # "tool" messages answer tool calls, which this server does not make
+    role: Literal["system", "developer", "user", "assistant"]
+    # null is OpenAI's content for an assistant message that only calls tools: not supported here
+    content: Annotated[str | list[TextPart], _one_error(
+        "must be a string or a list of text parts (type 'text'); images, audio and null are not supported")]
+    tool_calls: Annotated[Unsupported, _unsupported(lambda v: v == [], "tool_calls")] = None
 
     def to_dict(self) -> dict[str, str]:
         content = self.content
@@ -138,6 +150,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool | None = None  # each output token's logprob
     top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position (0-20)
     tools: Annotated[Unsupported, _unsupported(lambda v: v == [], "tools")] = None
+    tool_choice: Annotated[Unsupported, _unsupported(lambda v: v in ("none", "auto"),
+                                                     "tool_choice other than none or auto (no tools)")] = None
     response_format: Annotated[Unsupported, _unsupported(
         lambda v: isinstance(v, dict) and v.get("type") == "text", "response_format other than text")] = None
 
@@ -147,7 +161,7 @@ class ChatCompletionRequest(_SamplingRequest):
             return "max_completion_tokens"
         if sampling_name == "logprobs":
             return "top_logprobs"
-        return sampling_name
+        return "messages" if sampling_name == "prompt" else sampling_name
 
 
 def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,

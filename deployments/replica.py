@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -15,7 +16,7 @@ from ponytail import SamplingParams
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import chat_token_ids
+from .prompts import prompt_token_ids
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
@@ -26,11 +27,12 @@ class EngineReplica:
     """Serve deployment body (see app.py): generate, abort, model_info, record_routing_stats."""
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None,
-                 block_size: int = ponytail.DEFAULT_BLOCK_SIZE, model_id: str | None = None,
-                 compile_model: bool = False, stream_interval_s: float = 0.0):
+                 max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
+                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0,
+                 gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)
+                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
+                                gpu_memory_utilization=gpu_memory_utilization)
         # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
         # that sends them shares the GIL with the engine's step thread.
         self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
@@ -42,6 +44,9 @@ class EngineReplica:
                               root=str(model) if model else getattr(self.tokenizer, "name_or_path", None) or None)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
+        context_len = self.info.max_model_len
+        self.max_prompt_tokens = context_len if max_prompt_tokens is None else min(max_prompt_tokens, context_len)
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
         self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
 
@@ -49,9 +54,14 @@ class EngineReplica:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
-        prompt = request.prompt
-        if request.messages is not None:
-            prompt = chat_token_ids(self.tokenizer, request.messages)  # what the prefix router hashes too
+        # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
+        # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
+        self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
+        prompt = await asyncio.to_thread(self._prompt_token_ids, request)
+        if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
+                f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
         prompt_tokens = None
         sent = 0  # output tokens whose logprobs went out
         async for delta in self.async_llm.generate(prompt, params, request.request_id):
@@ -81,10 +91,10 @@ class EngineReplica:
                                                  params.prompt_logprobs)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        """The token ids the engine would compute for a completions prompt or chat messages."""
-        if messages is not None:
-            return chat_token_ids(self.tokenizer, messages)
-        return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        """The token ids the engine would compute for a completions prompt or chat messages (in a
+        worker thread, as generate's: a huge prompt must not stall other streams)."""
+        request = GenerateRequest(prompt=prompt, messages=messages)
+        return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request))
 
     async def detokenize(self, token_ids: list[int]) -> str:
         vocab = self.llm.vocab_size
@@ -93,6 +103,31 @@ class EngineReplica:
             raise ponytail.ConfigError(f"tokens={bad[:5]} are outside the vocabulary; allowed: ids in [0, {vocab})")
         return self.tokenizer.decode(token_ids)
 
+
+    def _refuse_certainly_too_long(self, request: GenerateRequest, params: SamplingParams) -> None:
+        """No token covers more than max_token_bytes bytes of text, so a text of more bytes than
+        max_prompt_tokens x max_token_bytes is too long whatever it tokenizes to."""
+        if self.max_token_bytes is None:
+            return
+        if request.messages is not None:
+            size = sum(len(str(m.get("content") or "").encode()) for m in request.messages)
+        elif isinstance(request.prompt, str):
+            size = len(request.prompt.encode())
+        else:
+            return
+        least = size // self.max_token_bytes
+        if least > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has at least {least} tokens ({size} bytes of text, at most {self.max_token_bytes} per "
+                f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
+                least, params.max_tokens, self.max_prompt_tokens)
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> str | list[int]:
+        """The request's prompt as token ids (as the engine would tokenize it), or as given
+        when it is already ids or the engine has no tokenizer."""
+        if self.tokenizer is None or (isinstance(request.prompt, str) and not request.prompt):
+            return request.prompt
+        return prompt_token_ids(self.tokenizer, request)  # what the prefix router hashes too
 
     async def abort(self, request_id: str) -> bool:
         return await self.async_llm.abort(request_id)
@@ -122,6 +157,16 @@ class EngineReplica:
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
                              step_seconds=self.async_llm.step_seconds)
+
+
+def _max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the bytes of text one token stands for: twice the longest token string in
+    UTF-8 (byte-level and SentencePiece token strings spell each text byte with at least one byte;
+    the factor 2 covers normalizers that shorten text). None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return 2 * max(len(t.encode()) for t in tokens if t)
 
 
 def _in_serve() -> bool:

@@ -11,7 +11,7 @@ from .kv.blocks import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
 from .kv.prefix_events import PrefixEvent, PrefixEventLog  # noqa: E402
 from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
-from .errors import ConfigError, KernelError, PonytailError  # noqa: E402
+from .errors import ConfigError, ContextLengthError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
 from .async_llm import AsyncLLM, RequestDelta  # noqa: E402
 from .plugin.cache import PonytailCache  # noqa: E402
@@ -38,6 +38,7 @@ __all__ = [
     "CacheStats",
     "ConfigError",
     "DEFAULT_BLOCK_SIZE",
+    "ContextLengthError",
     "DefragResult",
     "KVEstimate",
     "KernelError",

@@ -190,7 +190,9 @@ def test_stop_strings_stop_tokens_and_max_tokens(small_model):
 @pytest.mark.parametrize("prompt, params, message", [
     ("", None, "prompt='' is empty"),
     ([], None, "prompt must be a non-empty string or list of token ids"),
-    ([1, 99999999], None, r"prompt token ids \[99999999\] are outside the vocabulary \[0, 49152\)"),
+    ([1, 99999999], None, r"prompt=\[99999999\]: token ids outside the vocabulary; allowed: token ids in \[0, 49152\)"),
+    ([1, 2], SamplingParams(stop_token_ids=[10**12]),
+     r"stop_token_ids=\[1000000000000\] are outside the vocabulary: allowed: token ids in \[0, 49152\)"),
     ([1] * 250, SamplingParams(max_tokens=10), r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds max_model_len=256"),
     ([1, 2], {"max_tokens": 3}, "params must be a ponytail.SamplingParams, got dict"),
 ])

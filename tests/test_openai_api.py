@@ -25,7 +25,7 @@ from deployments.openai_api import BackendUnavailable, build_app
 from deployments.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS,
                                          ChatCompletionRequest, CompletionRequest, to_generate_request)
 from deployments.protocol import GenerateDelta, ModelInfo
-from ponytail import ConfigError, SamplingParams
+from ponytail import ConfigError, ContextLengthError, SamplingParams
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 512
@@ -68,8 +68,9 @@ class FakeBackend:
             prompt_tokens = len(request.prompt) if isinstance(request.prompt, list) else len(request.prompt.split())
         need = prompt_tokens + params.max_tokens
         if need > MAX_MODEL_LEN:
-            raise ConfigError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                              f"exceeds max_model_len={MAX_MODEL_LEN}")
+            raise ContextLengthError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
+                                     f"exceeds max_model_len={MAX_MODEL_LEN}", prompt_tokens, params.max_tokens,
+                                     MAX_MODEL_LEN)
         if self.fail is not None and self.fail_at == "first":
             raise self.fail
         for i in range(params.max_tokens):
@@ -239,8 +240,9 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
      "messages[0].content", ["messages[0].content", "images"]),
     # values SamplingParams refuses: its message, which names the field
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ["max_tokens=-1", ">= 1"]),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", ["temperature=-1"]),
-    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p=2"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature",
+     ["temperature: Input should be greater than or equal to 0 (got -1)"]),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p: Input should be less than or equal to 1 (got 2)"]),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n", ["n=2"]),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
      ["max_completion_tokens=0"]),
@@ -254,17 +256,28 @@ def test_bad_request_names_the_field(http, backend, path, body, param, in_messag
 def test_malformed_json(http, backend):
     r = http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     assert_error(r, 400, None, "not valid JSON")
-    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]"), 400, "body", "object")
+    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                 400, "body", "object")
 
 
 def test_prompt_too_long_from_the_engine(http, client, backend):
-    """SamplingParams accepts a huge max_tokens; the engine refuses prompt + max_tokens > max_model_len."""
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9})
-    assert_error(r, 400, None, "max_tokens", "max_model_len")
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9, "stream": True})
-    assert_error(r, 400, None, "max_tokens", "max_model_len")
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    """A max_tokens over the context is refused by the ingress; prompt + max_tokens over it by the
+    engine (ContextLengthError): both with OpenAI's code and the field at fault."""
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9, "stream": stream})
+        error = assert_error(r, 400, "max_tokens", "max_tokens=1000000000 is more than the model's context allows: "
+                             "at most 512 (max_model_len=512)")
+        assert error["code"] == "context_length_exceeded"
+    assert backend.requests == []
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as caught:
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=MAX_MODEL_LEN)
+    assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a " * 600}])
+    assert caught.value.body["param"] == "messages" and caught.value.body["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", json={"prompt": "a " * 600, "max_tokens": 1})
+    error = assert_error(r, 400, "prompt", "prompt (600 tokens) + max_tokens (1) = 601 exceeds max_model_len=512")
+    assert error["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("wrap", [

@@ -70,11 +70,13 @@ class LLMEngine:
     def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
                  compile_model: bool = False, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0):
+                 enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0,
+                 device_headroom_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
-                                  enable_prefix_caching=enable_prefix_caching)
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  device_headroom_bytes=device_headroom_bytes)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)
@@ -110,6 +112,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
                               "use stop_token_ids")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ConfigError(f"stop_token_ids={bad_stops[:5]!r:.80} are outside the vocabulary: "
+                              f"allowed: token ids in [0, {self.vocab_size})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
@@ -141,7 +147,8 @@ class LLMEngine:
             raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ConfigError(f"prompt={bad[:5]!r:.80}: token ids outside the vocabulary; "
+                              f"allowed: token ids in [0, {self.vocab_size})")
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:

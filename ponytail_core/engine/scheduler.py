@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ContextLengthError
 from ..kv.paged_cache import PagedKVCache
 from ..runner.inputs import ScheduledChunk
 from .request import Request, RequestStatus
@@ -49,8 +49,9 @@ class Scheduler:
         """Refuse at once what could never run, instead of letting it wait forever."""
         need = len(request.prompt_token_ids) + request.params.max_tokens
         if need > self.max_model_len:
-            raise ConfigError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
-                              f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}")
+            raise ContextLengthError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                                     f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}",
+                                     len(request.prompt_token_ids), request.params.max_tokens, self.max_model_len)
         bs = self.cache.config.block_size
         capacity = self.cache.max_blocks
         if cdiv(need, bs) > capacity:

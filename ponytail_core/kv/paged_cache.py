@@ -7,6 +7,7 @@ ids and hands the freed tail back to the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -19,6 +20,9 @@ from .config import CacheConfig
 from .storage import PagedKVStorage
 from ..utils.arith import cdiv
 from ..utils.device import to_device
+from ..utils.units import format_bytes
+
+logger = logging.getLogger("ponytail.kv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,11 +57,14 @@ class PagedKVCache:
     # Policy knobs (tuning values, not configuration most users touch).
     GROW_WHEN_FREE_BELOW = 0.05  # maintain() adds a chunk when free blocks fall under this share
     KEEP_FREE_CHUNKS = 1  # maintain() keeps this many chunks of free headroom when shrinking
+    GROW_RETRY_S = 1.0  # after the device refused a chunk, growth waits this long before trying again
 
     def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0,
-                 enable_prefix_caching: bool = True):
+                 enable_prefix_caching: bool = True, device_headroom_bytes: int = 0):
         """enable_prefix_caching: full blocks serve later sequences with the same prefix (off for
-        callers that address sequences by position, not content, like the transformers plug-in)."""
+        callers that address sequences by position, not content, like the transformers plug-in).
+        device_headroom_bytes: CUDA memory growth must leave free for the model's steps
+        (activations, workspaces), so the pool never starves the forward pass; 0: no check."""
         self.config = config
         # maintain() gives chunks back only once the pool has had them spare this long: a server
         # whose bursts come seconds apart keeps its working size instead of regrowing every burst.
@@ -71,6 +78,9 @@ class PagedKVCache:
         self.num_blocks_moved = 0  # blocks those compactions copied
         self.num_chunks_released = 0
         self.peak_allocated_bytes = 0  # the most device memory the pool has held
+        self.num_growth_failures = 0  # growths the device refused (out of memory)
+        self._no_growth_until = 0.0  # time.monotonic() before which grow() does not try again
+        self.device_headroom_bytes = device_headroom_bytes
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
@@ -164,13 +174,58 @@ class PagedKVCache:
         return self.allocator.fragmentation
 
     def grow(self, num_chunks: int = 1) -> int:
-        """Add up to `num_chunks` chunks within the memory budget; returns how many were added."""
+        """Add up to `num_chunks` chunks within the memory budget; returns how many were added.
+
+        The budget is a ceiling, not a promise: another tenant of the device (a second replica,
+        another process) may hold the memory by now. A failed allocation adds what fit and is
+        "no room" to the caller (the scheduler queues or preempts), never an error; growth is not
+        tried again for GROW_RETRY_S, since each failure makes torch empty its cache and retry."""
         count = max(0, min(num_chunks, self.max_chunks - self.num_chunks))
-        if count:
+        if not count or time.monotonic() < self._no_growth_until:
+            return 0
+        before = self.num_chunks
+        short = self._device_short_by(count * self.storage.chunk_bytes)
+        if short > 0:  # growing would eat the memory the model's steps need: refuse it now
+            self._growth_failed(f"{format_bytes(short)} short of keeping device_headroom_bytes="
+                                f"{format_bytes(self.device_headroom_bytes)} free for the model's steps")
+            return 0
+        try:
             self.storage.add_chunks(count)
-            self.allocator.grow(count * self.chunk_blocks)
+        except torch.OutOfMemoryError as exc:
+            self._growth_failed(str(exc).splitlines()[0][:200])
+        added = self.num_chunks - before
+        if added:
+            self.allocator.grow(added * self.chunk_blocks)
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.storage.allocated_bytes)
-        return count
+        return added
+
+    def _device_short_by(self, nbytes: int) -> int:
+        """How far the device is from giving `nbytes` and still keeping device_headroom_bytes
+        free (torch's cached but unused memory counts as free); 0 or less when it can."""
+        if not self.device_headroom_bytes or self.storage.device.type != "cuda":
+            return 0
+        device = self.storage.device
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return nbytes + self.device_headroom_bytes - free - cached
+
+    def _growth_failed(self, why: str) -> None:
+        self.num_growth_failures += 1
+        self._no_growth_until = time.monotonic() + self.GROW_RETRY_S
+        if self.num_growth_failures > 1:  # logged once with numbers; the count is in the stats
+            logger.debug("KV pool growth failed again (%d times): %s", self.num_growth_failures, why)
+            return
+        free = total = None
+        if self.storage.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.storage.device)
+        logger.warning(
+            "KV pool could not grow past %d of %d chunks (%s each, %s held): the device is out of memory "
+            "(free %s of %s), another tenant likely holds what the budget assumed. Requests queue or are "
+            "preempted instead; growth is retried every %.0f s. Lower kv_cache_memory or "
+            "gpu_memory_utilization to stop this. (%s)",
+            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_bytes),
+            format_bytes(self.storage.allocated_bytes), "?" if free is None else format_bytes(free),
+            "?" if total is None else format_bytes(total), self.GROW_RETRY_S, why)
 
     def defragment(self) -> DefragResult:
         """Move every block holding data into the lowest ids (fewest moves, one launch)."""
