@@ -115,7 +115,7 @@ def test_prefix_reuse_hits_and_keeps_outputs(small_model, caplog):
         rest = llm.generate(prompts[1:], GREEDY)
     # The first prompt has no context: its own K/V; the others start after cached blocks: paged.
     assert "prefill without context: torch SDPA" in caplog.text
-    assert "paged_attention prefill: fallback" in caplog.text
+    assert "paged attention of an engine step: fallback (torch, unpadded" in caplog.text
     stats = llm.stats()
     assert stats.prefix_cache_hits >= 5 * 32 - 4  # every later prompt reuses the cached prefix blocks
     assert 0 < stats.prefix_hit_rate < 1

@@ -160,3 +160,28 @@ def test_plan_is_built_from_host_lists_and_keeps_rows_apart():
                                                                                        (11, 5, 33, False)]
     assert plan.chunks[1].mask.shape == (5, 33)
     assert plan.num_blocks == 3 + 1 + 3  # each row's own blocks, no padding for one decode row
+
+
+def test_slot_writes_match_write_slots_across_chunks_and_skip_padding():
+    from ponytail import CacheConfig, PagedKVCache
+    from ponytail.attention.torch_varlen import SlotWrites
+    from ponytail.kv.cache_ops import write_slots
+
+    config = CacheConfig(num_layers=3, num_kv_heads=2, head_dim=64, dtype=torch.float32, max_batch_size=1,
+                         max_seq_len=16 * 4 * 3, block_size=4, chunk_blocks=4, device="cpu")
+    ours, theirs = PagedKVCache(config), PagedKVCache(config)
+    for cache in (ours, theirs):
+        cache.grow(3)
+        for chunk in cache.storage.chunks:
+            chunk.zero_()
+    gen = torch.Generator().manual_seed(0)
+    for slots in ([5, 17, 40, -1, 3, 33], [9, 10, 11], [-1, -1]):  # chunks of 16 slots: several, one, none
+        mapping = torch.tensor(slots)
+        keys = torch.randn(3, len(slots), 2, 64, generator=gen)
+        values = torch.randn(3, len(slots), 2, 64, generator=gen)
+        writes = SlotWrites(ours.storage, mapping)
+        for layer in range(3):
+            writes.write(layer, keys[layer], values[layer])
+        write_slots(theirs.storage, keys, values, mapping)
+        for a, b in zip(ours.storage.chunks, theirs.storage.chunks):
+            assert torch.equal(a, b)

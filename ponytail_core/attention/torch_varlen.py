@@ -10,7 +10,8 @@ times its context, never with rows x the longest row:
     with a key mask [group, 1, 1, longest].
 
 `plan_torch_attention` reads the lengths once on the host (a forward pass calls it once, every
-layer reuses the plan); `attention_torch_planned` runs one layer. Same semantics as
+layer reuses the plan); `attention_torch_planned` runs one layer. `SlotWrites` does the same for
+writing a step's new K/V: the slots' chunks are sorted out once, not per layer. Same semantics as
 paged.paged_attention_varlen: row b's queries are the last of its seq_lens[b] cached tokens.
 """
 
@@ -190,3 +191,35 @@ def attention_torch_planned(storage: PagedKVStorage, layer: int, query: torch.Te
     if plan.empty is not None:
         out.index_fill_(0, plan.empty, 0)
     return out
+
+
+class SlotWrites:
+    """A step's K/V writes on the torch path, sorted by KV chunk once and replayed for every layer.
+
+    cache_ops.write_slots finds each token's chunk again on every call (a few small ops per chunk
+    per layer); a CPU step through a 30-layer model would pay that 30 times.
+    """
+
+    def __init__(self, storage: PagedKVStorage, slot_mapping: torch.Tensor):
+        c = storage.config
+        self.storage = storage
+        slots = slot_mapping.to(torch.int64)
+        valid = slots >= 0
+        chunk_of = torch.div(slots, c.block_size * storage.chunk_blocks, rounding_mode="floor")
+        local = slots - chunk_of * (c.block_size * storage.chunk_blocks)  # token index within its chunk
+        self.writes: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (chunk, packed tokens, local)
+        if bool(valid.all()) and (slots.numel() == 0 or int(chunk_of.min()) == int(chunk_of.max())):
+            if slots.numel():
+                self.writes.append((int(chunk_of[0]), None, local))
+            return
+        for chunk in torch.unique(chunk_of[valid]).tolist():
+            where = (valid & (chunk_of == chunk)).nonzero().flatten()
+            self.writes.append((chunk, where, local[where]))
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key/value [tokens, kv_heads, head_dim] (any token stride) into layer `layer`."""
+        c = self.storage.config
+        for chunk, where, local in self.writes:
+            tokens = self.storage.chunks[chunk][layer].view(2, -1, c.num_kv_heads, c.head_dim)
+            tokens[0].index_copy_(0, local, key if where is None else key.index_select(0, where))
+            tokens[1].index_copy_(0, local, value if where is None else value.index_select(0, where))

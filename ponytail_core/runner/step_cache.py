@@ -18,7 +18,7 @@ import torch
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
 from ..plugin.cache import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
-from ..attention.torch_varlen import TorchAttentionPlan, attention_torch_planned, plan_torch_attention
+from ..attention.torch_varlen import SlotWrites, TorchAttentionPlan, attention_torch_planned, plan_torch_attention
 from ..kernels import loader as kernel_loader
 
 
@@ -65,13 +65,18 @@ class PackedStepCache(PagedCacheBase):
         super().__init__(paged)
         self.step: PackedStep | None = None
         self._plan: TorchAttentionPlan | None = None  # the torch path's plan for `step`, built at layer 0
+        self._writes: SlotWrites | None = None  # ... and where its new K/V go
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         step = self.step
         if layer_idx == 0:
             self.check_model(module, query, key, sliding_window)
             self._plan = self._torch_plan(step)
-        self.write_new_kv(layer_idx, key, value, step.slot_mapping)
+            self._writes = None if self._plan is None else SlotWrites(self.paged.storage, step.slot_mapping)
+        if self._writes is not None:
+            self._writes.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        else:
+            self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
         storage = self.paged.storage
         chunks = step.prefill
