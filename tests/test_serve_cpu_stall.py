@@ -64,6 +64,7 @@ def test_a_2k_prompt_arriving_keeps_the_streams_pauses_within_3x(default_model):
     long_prompt = tokenizer.decode(ids)
     assert 1900 <= len(tokenizer(long_prompt)["input_ids"]) <= 2100
     with running_app(min_replicas=1, max_replicas=1, max_num_seqs=16, max_model_len=2560) as (client, _):
+        client = client.with_options(timeout=600)  # a shared 2-core CI machine can be slow; pauses are what count
         run_streams(client, None)  # warm-up: first steps, allocator growth
         quiet, _, _, _ = run_streams(client, None)
         busy, sent, answered, stamps = run_streams(client, long_prompt)

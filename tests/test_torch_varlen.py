@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ponytail.attention.paged import paged_attention_varlen
-from ponytail.attention.torch_varlen import PAD_SLACK, _groups, plan_torch_attention
+from ponytail.attention.torch_varlen import decode_width, plan_torch_attention
 from cache_machine import kernels
 from test_paged_attention import TOLERANCE, Batch, naive_attention, rel_error
 
@@ -76,16 +76,25 @@ def test_random_mixed_steps_match_fp64(rows, kv_heads, group, block_size, seed):
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
 
 
-def test_decode_rows_group_by_length_within_the_padding_slack():
-    assert _groups([], 16) == []
-    assert _groups([5, 6, 7], 16) == [range(0, 3)]
-    # Short rows never pad to a long one's width.
-    assert _groups([5, 6, 7, 2000], 16) == [range(0, 3), range(3, 4)]
-    lengths = sorted(random.Random(0).randint(1, 3000) for _ in range(64))
-    for group in _groups(lengths, 16):
-        width = -(-lengths[group.stop - 1] // 16) * 16
-        real = sum(lengths[i] for i in group)
-        assert len(group) == 1 or len(group) * width <= PAD_SLACK * real + len(group) * 16
+def test_decode_widths_depend_on_the_row_alone_and_waste_at_most_a_third():
+    widths = [decode_width(n, 16) // 16 for n in (1, 16, 17, 33, 49, 65, 97, 129, 2000)]
+    assert widths == [1, 1, 2, 3, 4, 6, 8, 12, 128]
+    for n in range(1, 5000, 7):
+        width = decode_width(n, 16)
+        assert width % 16 == 0 and n <= width and width - 16 * -(-n // 16) <= width // 3 + 16
+
+
+def test_a_decode_rows_result_does_not_depend_on_the_rows_beside_it():
+    """Bit for bit: the sync and async engines batch the same row with different neighbours."""
+    batch = Batch([70, 75, 300, 12, 71], kv_heads=2, head_dim=64, block_size=16, seed=9)
+    query = torch.randn(5, 6, 64, generator=torch.Generator().manual_seed(2))
+    with kernels("torch"):
+        together = paged_attention_varlen(batch.storage, 1, query, torch.arange(6, dtype=torch.int32), 1,
+                                          batch.block_tables, batch.seq_lens, 0.125)
+        for rows in ([0], [0, 1], [0, 2, 4]):
+            alone = paged_attention_varlen(batch.storage, 1, query[rows], torch.arange(len(rows) + 1, dtype=torch.int32),
+                                           1, batch.block_tables[rows], batch.seq_lens[rows], 0.125)
+            assert torch.equal(alone, together[rows])
 
 
 class ShapeRecorder(TorchDispatchMode):

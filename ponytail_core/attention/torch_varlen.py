@@ -5,9 +5,10 @@ times its context, never with rows x the longest row:
   * one gather per KV chunk copies every row's blocks, and only those, end to end;
   * a row with several query tokens runs torch SDPA on views of its own K/V; when it has context
     the bottom-right causal mask is [its tokens, its context + tokens], nothing wider;
-  * rows with one query token (decode) are batched: sorted by length and grouped while padding
-    each to its group's longest stays within PAD_SLACK of their real tokens, one SDPA per group
-    with a key mask [group, 1, 1, longest].
+  * rows with one query token (decode) are batched: each is padded to a width its own length
+    alone decides (`decode_width`: 1, 2, 3, 4, 6, 8, 12, ... blocks, at most a third wasted) and
+    rows of one width share one SDPA with a key mask [rows, 1, 1, width]. A row's numbers then
+    never depend on which rows share its step (the sync and async engines agree bit for bit).
 
 `plan_torch_attention` reads the lengths once on the host (a forward pass calls it once, every
 layer reuses the plan); `attention_torch_planned` runs one layer. `SlotWrites` does the same for
@@ -24,9 +25,16 @@ import torch.nn.functional as F
 
 from ..kv.storage import PagedKVStorage
 
-# Decode rows padded to their group's longest may hold at most this many times their real tokens
-# (plus one block per row): a few wasted keys cost less than another SDPA call.
-PAD_SLACK = 1.5
+
+def decode_width(length: int, block_size: int) -> int:
+    """Tokens a decode row of `length` is padded to: the next of 1, 2, 3, 4, 6, 8, 12, 16, ... blocks.
+
+    Few widths, so few SDPA calls; never more than a third of a row wasted past its last block."""
+    blocks = -(-length // block_size)
+    width = 1 << (blocks - 1).bit_length()  # the next power of two
+    if width >= 4 and blocks <= width * 3 // 4:
+        width = width * 3 // 4
+    return width * block_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +44,7 @@ class DecodeGroup:
     rows: torch.Tensor  # [g] int64: the rows' query token indexes (packed positions)
     key_start: int  # first token of the group in the gathered buffer; row i at key_start + i * width
     width: int  # tokens per row, a multiple of block_size
-    mask: torch.Tensor | None  # [g, 1, 1, width] bool: key is real (None: every row fills width)
+    mask: torch.Tensor  # [g, 1, 1, width] bool: key is real
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,25 +81,23 @@ def plan_torch_attention(storage: PagedKVStorage, query_counts: list[int], seq_l
         starts.append(starts[-1] + count)
     ids: list[int] = []  # block ids in gathered order
     dead: list[int] = []
-    decode_rows = sorted((b for b, count in enumerate(query_counts) if count == 1 and seq_lens[b] > 0),
-                         key=lambda b: seq_lens[b])
+    widths: dict[int, list[int]] = {}  # decode rows by padded width, in row order
+    for b, count in enumerate(query_counts):
+        if count == 1 and seq_lens[b] > 0:
+            widths.setdefault(decode_width(seq_lens[b], bs), []).append(b)
     decode: list[DecodeGroup] = []
-    for group in _groups([seq_lens[b] for b in decode_rows], bs):
-        members = decode_rows[group.start : group.stop]
-        width = -(-seq_lens[members[-1]] // bs) * bs
+    for width, members in sorted(widths.items()):
         key_start = len(ids) * bs
-        lengths = []
         for b in members:
             blocks = tables[b][: -(-seq_lens[b] // bs)]
             row_start = len(ids) * bs
             ids.extend(blocks + [blocks[0]] * (width // bs - len(blocks)))  # any block the row owns: masked
             dead.extend(range(row_start + seq_lens[b], row_start + width))
-            lengths.append(seq_lens[b])
-        lens = torch.tensor(lengths)
-        full = all(n == width for n in lengths)
-        mask = None if full else (torch.arange(width)[None, :] < lens[:, None]).view(len(members), 1, 1, width)
-        decode.append(DecodeGroup(torch.tensor([starts[b] for b in members], device=device), key_start, width,
-                                  None if mask is None else mask.to(device)))
+        lens = torch.tensor([seq_lens[b] for b in members])
+        # Always a mask, even when every row fills the width: SDPA rounds differently without one,
+        # and a row's result must not depend on its neighbours.
+        mask = (torch.arange(width)[None, :] < lens[:, None]).view(len(members), 1, 1, width).to(device)
+        decode.append(DecodeGroup(torch.tensor([starts[b] for b in members], device=device), key_start, width, mask))
     chunks: list[ChunkRow] = []
     empty: list[int] = []
     for b, count in enumerate(query_counts):
@@ -111,21 +117,6 @@ def plan_torch_attention(storage: PagedKVStorage, query_counts: list[int], seq_l
                               dead=torch.tensor(dead, device=device) if dead else None, decode=decode,
                               chunks=chunks, empty=torch.tensor(empty, device=device) if empty else None,
                               num_tokens=starts[-1])
-
-
-def _groups(lengths: list[int], block_size: int) -> list[range]:
-    """Split ascending lengths into ranges whose padding to their longest stays within PAD_SLACK."""
-    groups: list[range] = []
-    start, real = 0, 0
-    for i, n in enumerate(lengths):
-        width = -(-n // block_size) * block_size
-        if i > start and (i + 1 - start) * width > PAD_SLACK * (real + n) + (i + 1 - start) * block_size:
-            groups.append(range(start, i))
-            start, real = i, 0
-        real += n
-    if lengths:
-        groups.append(range(start, len(lengths)))
-    return groups
 
 
 def _gathers(storage: PagedKVStorage, ids: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
