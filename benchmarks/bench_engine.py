@@ -8,9 +8,10 @@
 
 Peers: plain `model.generate` on the whole batch, transformers' continuous batching
 (`generate_batch`), and `ponytail.LLM`, eager (`ponytail`) or with compile_model=True
-(`ponytail_compiled`: torch.compile of the decoder layers). Greedy tokens are compared first,
-every step given plain generate's tokens before it (on the CPU in fp32 they must be identical; in
-bf16 a differing token must be a near tie: each side's choice in the other's top-5).
+(`ponytail_compiled`: torch.compile of the decoder layers). Greedy outputs are checked first, with
+`ponytail bench`'s check (ponytail/bench/output_check.py): each side's tokens judged on its own
+prefix by the model in float32, a differing token passing only as a near tie within the dtype's
+noise (in fp32 on the CPU: the same tokens).
 Then each peer is timed on the same requests with EOS ignored: output tokens/s, time to first
 token and time per output token (p50/p99), and peak device memory above the weights.
 
@@ -37,6 +38,7 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import restore_decoder_layers
 from ponytail.utils.units import format_bytes, parse_bytes
 
@@ -175,51 +177,17 @@ def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory
     return result, [o.token_ids for o in outputs], llm
 
 
-def plain_greedy_with_top(model, batch, n_tokens, device, k=5):
-    """Plain generate's greedy tokens and, per step, its top-k token ids."""
-    model.set_attn_implementation("sdpa")
-    ids = torch.tensor(batch, device=device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-                         do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
-                         return_dict_in_generate=True)
-    top = torch.stack(out.logits, dim=1).topk(k, dim=-1).indices  # [B, steps, k]
-    return out.sequences[:, ids.shape[1] :].tolist(), [[set(step) for step in row] for row in top.tolist()]
+def check_variant(model, tokenizer, batch, steps, kv_memory, compile_model):
+    """The output check `ponytail bench` runs (ponytail.bench.output_check), for one variant."""
+    def generate(prompts, params):  # builds, runs and drops its engine, as check_outputs asks
+        llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(prompts),
+                           max_model_len=max(len(p) for p in prompts) + steps, compile_model=compile_model)
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            restore_decoder_layers(model)  # the reference and the peers run the model as it came
 
-
-def ponytail_teacher_forced_top(model, tokenizer, batch, reference, kv_memory, compile_model, k=5):
-    """Ponytail's greedy token and top-k at every step of the reference's continuation, each step
-    given the reference's tokens before it (prefix hits make that cheap), so one near tie does not
-    decide every later step."""
-    steps = len(reference[0])
-    prompts = [prompt + ref[:i] for prompt, ref in zip(batch, reference) for i in range(steps)]
-    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(prompts),
-                       max_model_len=len(batch[0]) + steps, compile_model=compile_model)
-    try:
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, logprobs=k))
-    finally:
-        restore_decoder_layers(model)  # the peers run the model as it came
-    tokens = [[outputs[r * steps + i].token_ids[0] for i in range(steps)] for r in range(len(batch))]
-    top = [[set(sorted(step, key=step.get, reverse=True)[:k]) for o in outputs[r * steps : (r + 1) * steps]
-            for step in o.outputs[0].logprobs] for r in range(len(batch))]
-    del llm
-    return tokens, top
-
-
-def compare_greedy(variant, ours, ours_top, reference, reference_top, exact) -> dict:
-    """Every step, given the same prefix: equal tokens, or (bf16) a near tie: each side's choice
-    in the other's top-5, as vLLM's check_logprobs_close asks."""
-    differing = []
-    for row, (a, b) in enumerate(zip(ours, reference)):
-        for step, (x, y) in enumerate(zip(a, b)):
-            if x == y:
-                continue
-            differing.append((row, step))
-            assert not exact, f"{variant} greedy token differs from plain generate (row {row}, step {step})"
-            assert x in reference_top[row][step] and y in ours_top[row][step], (
-                f"{variant} row {row} step {step}: chose {x}, plain generate {y}, and they are not in each "
-                f"other's top-5 ({ours_top[row][step]} / {reference_top[row][step]}): not a near tie")
-    total = sum(len(b) for b in reference)
-    return {"equal_steps": total - len(differing), "of": total, "near_ties": differing}
+    return check_outputs(model, batch, steps, generate)
 
 
 def chat_workload(vocab: int, seed: int = 0, requests: int = 12, long_every: int = 6):
@@ -322,19 +290,18 @@ def main() -> int:
 
     variants = [p for p in ("ponytail", "ponytail_compiled") if p in peers]
 
-    # 1. Correctness first: greedy tokens against plain generate on a few requests, every step given
-    # plain's tokens before it. In fp32 on the CPU they must be identical; in bf16 the two paths
-    # round differently, so (as vLLM's own tests do) a differing token must be a top-5 near tie.
+    # 1. Correctness first: greedy tokens of both sides, each judged on its own prefix by the model
+    # in float32; a differing token passes only as a near tie within the dtype's noise.
     check = batch[: min(4, len(batch))]
-    reference, reference_top = plain_greedy_with_top(model, check, args.check_tokens, device)
     agreement = {}
     for variant in variants:
-        ours, ours_top = ponytail_teacher_forced_top(model, tokenizer, check, reference, args.kv_memory,
-                                                     variant == "ponytail_compiled")
-        agreement[variant] = compare_greedy(variant, ours, ours_top, reference, reference_top,
-                                            exact=device.type == "cpu")
-    print(f"greedy agreement with plain generate, {args.check_tokens} steps per request, each given plain's "
-          f"tokens before it (near_ties: (row, step) where a top-5 near tie went the other way): {agreement}")
+        verdict = check_variant(model, tokenizer, check, args.check_tokens, args.kv_memory,
+                                variant == "ponytail_compiled")
+        agreement[variant] = verdict.to_dict()
+        print(f"{variant}: {verdict.summary()}")
+        if not verdict.passed:
+            print(f"{variant} produces wrong tokens: not timed", file=sys.stderr)
+            return 1
 
     # 2. Timing, same requests for every peer.
     results = []

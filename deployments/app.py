@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
@@ -18,60 +17,10 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ponytail.utils.units import is_seconds
-
+from .args import ROUTERS, AppArgs
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
-
-ROUTERS = {
-    "kv_blocks": "deployments.router:KVBlockRouter",
-    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
-}
-
-
-@dataclass(slots=True)
-class AppArgs:
-    """The `args:` of app.yaml (all optional)."""
-
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local checkpoint path
-    model_id: str | None = None  # the name clients put in "model"
-    device: str = "auto"  # auto | cuda | cpu: auto takes one GPU per replica when the cluster has GPUs
-    kv_cache_memory: int | str | None = None  # per replica; None: what the device has free
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    block_size: int = 16
-    min_replicas: int = 1
-    max_replicas: int = 2
-    target_ongoing_requests: float = 16
-    max_queued_requests: int = 256  # beyond this the API answers 503
-    stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
-    router: str = "kv_blocks"  # kv_blocks (deployments.router) | power_of_two (Serve's default, to compare)
-    max_hold_s: float = 10.0  # kv_blocks: longest wait in the router while no replica has room (0: never)
-    compile_model: bool = False  # torch.compile the decoder layers: ~21% more decode tokens/s on a 7B (H200)
-    stream_interval_s: float = 0.05  # a stream's deltas merged over this long (first token and end not held)
-
-    ENGINE_FIELDS = ("model", "model_id", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size",
-                     "compile_model", "stream_interval_s")  # what EngineReplica takes, besides the device
-
-    def __post_init__(self):
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cuda, cpu")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router={self.router!r} is not supported; allowed: {', '.join(ROUTERS)}")
-        if not isinstance(self.compile_model, bool):
-            raise ValueError(f"compile_model={self.compile_model!r} is not supported; allowed: true, false")
-        hold = self.max_hold_s
-        if not is_seconds(hold):
-            raise ValueError(f"max_hold_s={hold!r} is not supported; allowed: seconds >= 0 (0: never hold)")
-        interval = self.stream_interval_s
-        if not is_seconds(interval, most=1):
-            raise ValueError(f"stream_interval_s={interval!r} is not supported; allowed: seconds from 0 to 1 "
-                             "(0: a message per engine step)")
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
-                             "need 1 <= min_replicas <= max_replicas")
-
 
 @serve.deployment(name="OpenAIIngress")
 @serve.ingress()
@@ -128,8 +77,8 @@ def _wants_gpu(device: str) -> bool:
 
 def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
     """EngineReplica's constructor arguments from the app's args."""
-    values = asdict(settings)
-    return {**{name: values[name] for name in AppArgs.ENGINE_FIELDS}, "device": "cuda" if gpu else "cpu"}
+    return {**{name: getattr(settings, name) for name in AppArgs.ENGINE_FIELDS},
+            "model_id": settings.served_name(), "device": "cuda" if gpu else "cpu"}
 
 
 def router_arguments(settings: AppArgs) -> dict:
@@ -137,9 +86,11 @@ def router_arguments(settings: AppArgs) -> dict:
     return {"max_hold_s": float(settings.max_hold_s)} if settings.router == "kv_blocks" else {}
 
 
-def build(args: dict | None = None):
-    """The application for `serve run deployments/app.yaml` (or `serve.run(build({...}))`)."""
-    settings = AppArgs(**(args or {}))
+def build(args: AppArgs | dict | None = None):
+    """The application for `serve run deployments/app.yaml`, `serve run deployments.app:build
+    key=value ...`, `ponytail serve` or `serve.run(build({...}))`. Serve validates the args into
+    AppArgs itself only when the annotation is a class, not this module's postponed string."""
+    settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
     engine = serve.deployment(
         EngineReplica,
