@@ -18,6 +18,9 @@ token and time per output token (p50/p99), and peak device memory above the weig
 --capacity BUDGET runs Ponytail alone with that KV budget on more requests than fit at once and
 reports the most sequences it ran concurrently, against what a cache preallocated per sequence
 at max_seq_len (--capacity-max-len) holds in the same budget.
+
+--small also runs a seeded chat workload through Ponytail's engine (chat_workload: a shared chat
+opening, one prompt in six 1-2k tokens long) and reports the time of each engine step.
 """
 
 from __future__ import annotations
@@ -187,6 +190,43 @@ def check_variant(model, tokenizer, batch, steps, kv_memory, compile_model):
     return check_outputs(model, batch, steps, generate)
 
 
+def chat_workload(vocab: int, seed: int = 0, requests: int = 12, long_every: int = 6):
+    """Seeded chat-shaped requests: (prompt ids, output tokens). Every prompt opens with the same 24
+    tokens (a chat template's opening: a cached prefix, so every later prompt has context); one in
+    `long_every` is 1-2k tokens long, the rest 16-96; outputs 16-48 tokens."""
+    rng = random.Random(seed)
+    opening = [rng.randrange(10, vocab) for _ in range(24)]
+    out = []
+    for i in range(requests):
+        length = rng.randint(1024, 2048) if i % long_every == long_every // 2 else rng.randint(16, 96)
+        out.append((opening + [rng.randrange(10, vocab) for _ in range(length)], rng.randint(16, 48)))
+    return out
+
+
+def run_chat(model, tokenizer, device, kv_memory, seed: int = 0) -> dict:
+    """Ponytail's engine on chat_workload, one step at a time: the time of every step."""
+    work = chat_workload(model.config.vocab_size, seed)
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, max_num_seqs=len(work),
+                       max_model_len=max(len(p) for p, _ in work) + 64)
+    engine = llm.engine
+    sync(device)
+    steps, t0 = [], time.perf_counter()
+    for prompt, output_len in work:
+        engine.add_request(prompt, SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True))
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        sync(device)
+        steps.append(time.perf_counter() - start)
+    total = time.perf_counter() - t0
+    output_tokens = sum(n for _, n in work)
+    return {"requests": len(work), "long_prompts": sum(len(p) > 1000 for p, _ in work),
+            "prompt_tokens": sum(len(p) for p, _ in work), "output_tokens": output_tokens, "seconds": total,
+            "output_tokens_per_s": output_tokens / total, "steps": len(steps),
+            "step_p50": percentile(steps, 0.5), "step_p99": percentile(steps, 0.99), "step_max": max(steps),
+            "max_num_batched_tokens": engine.scheduler.max_num_batched_tokens}
+
+
 def run_capacity(model, tokenizer, args, device, budget) -> dict:
     """Most sequences running at once in a fixed KV budget, against per-sequence preallocation."""
     budget_bytes = parse_bytes(budget, "--capacity")
@@ -277,6 +317,7 @@ def main() -> int:
                                     variant == "ponytail_compiled")[0])
 
     capacity = run_capacity(model, tokenizer, args, device, args.capacity) if args.capacity else None
+    chat = run_chat(model, tokenizer, device, args.kv_memory) if args.small and "ponytail" in peers else None
 
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
            "torch": torch.__version__, "requests": args.requests, "prompt_len": args.prompt_len,
@@ -303,9 +344,15 @@ def main() -> int:
               f"at max_seq_len={capacity['max_seq_len']} holds {capacity['preallocated_fit']} "
               f"({capacity['peak_running'] / max(1, capacity['preallocated_fit']):.2f}x); "
               f"{capacity['fit_at_full_length']} fit at full length")
+    if chat:
+        print(f"chat workload (seed 0: {chat['requests']} requests, {chat['long_prompts']} with 1-2k-token prompts, "
+              f"{chat['prompt_tokens']} prompt tokens, max_num_batched_tokens {chat['max_num_batched_tokens']}): "
+              f"{chat['output_tokens_per_s']:.1f} output tokens/s; {chat['steps']} steps, step time p50 "
+              f"{chat['step_p50'] * 1e3:.0f} ms, p99 {chat['step_p99'] * 1e3:.0f} ms, max {chat['step_max'] * 1e3:.0f} ms")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"env": env, "agreement": agreement, "results": results, "capacity": capacity}, f, indent=2)
+            json.dump({"env": env, "agreement": agreement, "results": results, "capacity": capacity, "chat": chat},
+                      f, indent=2)
     return 0
 
 

@@ -23,6 +23,9 @@ logger = logging.getLogger("ponytail.engine")
 
 CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
 GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the model
+# A CPU step's time grows with its tokens: a long prompt in 256-token chunks keeps each step beside
+# running streams within a few decode steps' time (docs/engine.md), where 2048 stalled them for seconds.
+CPU_BATCHED_TOKENS = 256
 POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
 
 
@@ -50,7 +53,8 @@ class LLM:
         if max_model_len is None:
             max_model_len = int(getattr(text_config, "max_position_embeddings", 2048))
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, max_num_seqs)
+            budget = CPU_BATCHED_TOKENS if device.type == "cpu" else 2048
+            max_num_batched_tokens = max(budget, max_num_seqs)
         if max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                               f"{max_num_seqs} so every running sequence can decode each step")

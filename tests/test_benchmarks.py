@@ -33,6 +33,9 @@ def test_bench_engine_small_runs_every_peer_and_agrees_with_plain_generate(tmp_p
     ours = next(r for r in report["results"] if r["peer"] == "ponytail")
     assert ours["tokens_per_s"] > 0 and ours["preemptions"] == 0
     assert report["capacity"]["used_blocks_after"] == 0 and report["capacity"]["peak_running"] > 0
+    chat = report["chat"]  # the seeded chat workload with long prompts: every step timed
+    assert chat["long_prompts"] == 2 and chat["output_tokens"] > 0 and chat["steps"] > 0
+    assert 0 < chat["step_p50"] <= chat["step_p99"] <= chat["step_max"]
 
 
 def test_bench_attention_small_checks_against_sdpa(tmp_path):

@@ -1,13 +1,19 @@
 """The Serve application end to end on the CPU: two engine replicas of the embedded default model,
 the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only."""
 
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.protocol import GenerateRequest  # noqa: E402
@@ -65,6 +71,25 @@ def test_a_serve_handle_yields_the_same_deltas_as_http(app):
     deltas = list(handle.options(stream=True).generate.remote(request))
     assert deltas[-1].finished and deltas[-1].finish_reason == http.choices[0].finish_reason
     assert "".join(d.text for d in deltas) == http.choices[0].text
+
+
+def readme_example(marker: str) -> str:
+    """The code block README.md holds between <!-- marker --> and <!-- /marker -->."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    found = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```\n<!-- /{marker} -->", readme, re.S)
+    assert found, f"README.md has no python block marked {marker}"
+    return found.group(1)
+
+
+def test_the_readme_serve_handle_example_runs_as_written(app):
+    code = readme_example("serve-handle-example")
+    assert "asyncio.run(main())" in code and 'ray.init(address="auto")' in code
+    # address="auto" finds this test's cluster through RAY_ADDRESS (other Ray clusters may share the machine).
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), f"the example printed nothing; stderr: {done.stderr[-2000:]}"
 
 
 @pytest.mark.parametrize("kwargs, status, field", [

@@ -26,7 +26,7 @@ def check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_t
     check_query(storage, layer, query, heads, head_dim, scale)
     check_rows(storage, batch, block_tables, seq_lens, query_lens)
     if seq_lens.device.type == "cpu":  # values are free to read only on the host
-        _check_values(storage, block_tables, seq_lens, query_lens, positions)
+        check_values(storage, block_tables, seq_lens, query_lens, positions)
 
 
 def check_query(storage: PagedKVStorage, layer, query: torch.Tensor, heads: int, head_dim: int, scale) -> None:
@@ -62,7 +62,7 @@ def check_rows(storage: PagedKVStorage, batch: int, block_tables: torch.Tensor, 
             raise KernelError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
 
 
-def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
+def check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
     block_size = storage.config.block_size
     capacity = block_tables.shape[1] * block_size
     for b, n in enumerate(seq_lens.tolist()):
