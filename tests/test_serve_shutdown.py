@@ -8,6 +8,7 @@ import time
 import pytest
 
 pytest.importorskip("ray.serve")
+pytest.importorskip("openai")  # serve_support drives the app with the openai client
 try:
     import httpx2 as httpx
 except ImportError:  # pragma: no cover - older openai clients use httpx
