@@ -162,7 +162,7 @@ def _run_engine(model, workload, llm_kwargs, config, sampler, progress, result) 
     result.kv_budget_bytes = cache_config.memory_budget
     result.estimate = estimate_from_config(
         CacheConfig.from_model(model, max_batch_size=min(len(workload.prompts), config.max_num_seqs),
-                               max_seq_len=workload.max_seq_len, block_size=cache_config.block_size, device="cpu"),
+                               max_seq_len=workload.max_seq_len, block_size=cache_config.block_size, device=cache_config.device),
         gpu_memory=cache_config.memory_budget)
     progress.phase("ponytail", len(workload.prompts))
     sampler.start("ponytail", pool_snapshot(llm))  # the pool as built, before the first step
