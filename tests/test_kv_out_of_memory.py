@@ -12,6 +12,7 @@ import torch
 
 import ponytail
 from ponytail import CacheConfig, NoRoom, PagedKVCache, SamplingParams
+from ponytail.kv import storage as storage_module  # noqa: E402
 from test_engine import make_llm, plain_greedy, random_prompts, small_model  # noqa: F401 (fixture)
 
 
@@ -33,7 +34,11 @@ def refuse_chunks_past(monkeypatch, storage, limit: int) -> Refusals:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
         return real_empty(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "empty", empty)
+    class DeviceForStorage:  # torch as storage.py sees it: only its allocations can be refused
+        def __getattr__(self, name):
+            return empty if name == "empty" else getattr(torch, name)
+
+    monkeypatch.setattr(storage_module, "torch", DeviceForStorage())
     return refusals
 
 
