@@ -31,7 +31,7 @@ class LocalBackend:
         await self.replica.abort(request_id)
 
     async def engine_stats(self):
-        return {"local": self.replica.llm.engine.stats()}
+        return {"local": self.replica.llm.stats()}
 
     async def tokenize(self, prompt, messages):
         return await self.replica.tokenize(prompt, messages)
@@ -46,10 +46,16 @@ def local_server(port: int = 0, **replica_args):
     defaults: the default model on the CPU, 64 MiB of KV cache."""
     replica = EngineReplica(**{"device": "cpu", "kv_cache_memory": "64MiB", "max_num_seqs": 8,
                                "max_model_len": 1024, **replica_args})
+    with serve_on_loopback(build_app(LocalBackend(replica)), port) as url:
+        yield replica, url
+
+
+@contextmanager
+def serve_on_loopback(app, port: int = 0):
+    """Yields the base url of `app` served by uvicorn on 127.0.0.1 (port 0: a free one), in a thread."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", port))
-    config = uvicorn.Config(build_app(LocalBackend(replica)), log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=1)
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -58,8 +64,9 @@ def local_server(port: int = 0, **replica_args):
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.01)
     try:
-        yield replica, f"http://127.0.0.1:{sock.getsockname()[1]}"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.should_exit = True
         thread.join(timeout=WAIT_S)
         sock.close()
+    assert not thread.is_alive(), "uvicorn did not stop"

@@ -1,9 +1,6 @@
 """Hostile and oversize input against the OpenAI API (fake backend, no Ray): API keys, JSON-only
 bodies, body size, CORS, request limits, OpenAI's ranges and roles, truncated echoes, Retry-After."""
 
-import socket
-import threading
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -18,6 +15,7 @@ except ImportError:  # pragma: no cover - older openai clients use httpx
 
 from deployments.http_guard import AccessPolicy
 from deployments.limits import RequestLimits
+from deployments.local_server import serve_on_loopback
 from deployments.openai_api import BackendUnavailable, build_app
 from test_openai_api import CHAT, MODEL, FakeBackend, assert_error
 
@@ -28,23 +26,8 @@ KEY = "sk-test-0123456789"
 def serving(limits=None, policy=None):
     """(backend, base url) of build_app(FakeBackend()) under uvicorn on a free loopback port."""
     backend = FakeBackend()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(build_app(backend, limits, policy), log_level="warning", lifespan="off",
-                            timeout_graceful_shutdown=1)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 5
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield backend, f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=5)
-        sock.close()
+    with serve_on_loopback(build_app(backend, limits, policy)) as url:
+        yield backend, url
 
 
 @pytest.fixture(scope="module")

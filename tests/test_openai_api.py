@@ -7,9 +7,7 @@ error shapes and disconnects.
 
 import asyncio
 import json
-import socket
 import threading
-import time
 
 import pytest
 
@@ -21,6 +19,7 @@ try:
 except ImportError:  # pragma: no cover - older openai clients use httpx
     import httpx
 
+from deployments.local_server import serve_on_loopback
 from deployments.openai_api import BackendUnavailable, build_app
 from deployments.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS,
                                          ChatCompletionRequest, CompletionRequest, to_generate_request)
@@ -99,22 +98,8 @@ class RayTaskErrorLike(Exception):
 @pytest.fixture(scope="module")
 def server():
     backend = FakeBackend()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # loopback only; the kernel picks a free port
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(backend), log_level="warning", lifespan="off", timeout_graceful_shutdown=1)
-    uv = uvicorn.Server(config)
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + WAIT_S
-    while not uv.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield backend, f"http://127.0.0.1:{port}"
-    uv.should_exit = True
-    thread.join(timeout=WAIT_S)
-    sock.close()
-    assert not thread.is_alive(), "uvicorn did not stop"
+    with serve_on_loopback(build_app(backend)) as url:
+        yield backend, url
 
 
 @pytest.fixture

@@ -3,12 +3,12 @@
 import math
 
 import pytest
-import torch
 
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import local_server  # noqa: E402
+from deployments.local_server import local_server
+from test_prompt_logprobs import plain_log_softmax  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,14 +24,7 @@ def served():
 
 def plain_prompt_logprobs(replica, ids):
     """Plain transformers, fp32 on the CPU: log_softmax of the prompt's logits, sdpa, no cache."""
-    model = replica.llm.engine.model
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-    finally:
-        model.set_attn_implementation(previous)
+    return plain_log_softmax(replica.llm.engine.model, ids)
 
 
 def test_echo_prompt_logprobs_equal_plain_transformers(served):
