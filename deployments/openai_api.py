@@ -41,6 +41,7 @@ from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatC
                               CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
                               Usage, to_generate_request)
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
+from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
 
@@ -212,6 +213,10 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _listed(chunks: BaseModel | list[BaseModel]) -> list[BaseModel]:
+    return chunks if isinstance(chunks, list) else [chunks]  # a tool-call format may send 0 or several
+
+
 def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
@@ -300,8 +305,11 @@ class _OpenAIServer:
                 raise _model_not_found(req.model, info)
             generate = to_generate_request(req)
             request_id = generate.request_id
+            plan = plan_structured(req, generate) if kind is ChatCompletionRequest else None
             SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(request_id, info.model_id)
+            if plan is not None:
+                fmt = ToolCallFormat(fmt, plan)
             generation = _Generation(self.backend, generate)
             streaming = False  # once True, the event stream owns the generation and closes it
             try:  # wait for the first delta: errors raised there still get a status code
@@ -341,11 +349,13 @@ class _OpenAIServer:
                 yield _sse(chunk)
             while True:
                 if delta.text:
-                    yield _sse(fmt.text(delta.text))
+                    for chunk in _listed(fmt.text(delta.text)):
+                        yield _sse(chunk)
                 if delta.finished:
                     break
                 delta = _check(await generation.next())
-            yield _sse(fmt.finish(delta.finish_reason))
+            for chunk in _listed(fmt.finish(delta.finish_reason)):
+                yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage(Usage.of(delta.prompt_tokens, delta.completion_tokens)))
         except Exception as exc:

@@ -45,8 +45,9 @@ class EngineReplica:
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         prompt = request.prompt
         if request.messages is not None:
-            prompt = self.tokenizer.apply_chat_template(request.messages, add_generation_prompt=True,
-                                                        tokenize=True, return_dict=False)
+            prompt = self.tokenizer.apply_chat_template(request.messages, tools=request.tools,
+                                                        add_generation_prompt=True, tokenize=True,
+                                                        return_dict=False)
             if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
                 prompt = list(prompt["input_ids"])
         prompt_tokens = None

@@ -6,7 +6,7 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> repetition/presence/frequency penalties -> greedy argmax, or
+Order (vLLM v1): min_tokens mask -> grammar mask (structured outputs) -> repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1) noise).
 
 Logprobs follow vLLM's default (logprobs_mode="raw_logprobs"): they are log_softmax of the raw
@@ -79,6 +79,8 @@ class SamplingBatch:
     any_unseeded: bool  # some sampled row draws from the global generator
     max_logprobs: int | None  # most top logprobs a row asked for; None when no row asked
     max_token_id: int  # largest token id indexed above; must be < vocab size
+    grammar_rows: torch.Tensor | None = None  # [c] int64: rows constrained by a grammar
+    grammar_bitmask: torch.Tensor | None = None  # [c, ceil(vocab/32)] int32: bit t = token t allowed
 
     @classmethod
     def build(
@@ -89,12 +91,15 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         device: torch.device | str,
         eos_token_id: int | Collection[int] | None = None,
+        token_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """Per-row tensors for one step. Row i of every list is row i of the logits.
 
         generators[i] must be the request's own generator when params[i].seed is set (see
         request_generator); eos_token_id (one id or several) is masked, with stop_token_ids,
-        in rows that have fewer than min_tokens output tokens (unless ignore_eos).
+        in rows that have fewer than min_tokens output tokens (unless ignore_eos). token_bitmask
+        is (rows, host int32 bitmask) from sampling.grammar.token_bitmask: those rows may only
+        take the tokens whose bit is set.
         """
         device = torch.device(device)
         rows = len(params)
@@ -168,6 +173,8 @@ class SamplingBatch:
             any_unseeded=len(own) < len(sampled),
             max_logprobs=max(asked) if asked else None,
             max_token_id=max(max_ids),
+            grammar_rows=None if token_bitmask is None else _tensor(token_bitmask[0], torch.int64, device),
+            grammar_bitmask=None if token_bitmask is None else _to(token_bitmask[1], device),
         )
 
 
@@ -220,6 +227,20 @@ class HostSamples:
         """Block until the copies have landed (the step's one host sync)."""
         if self.copied is not None:
             self.copied.synchronize()
+
+
+def apply_grammar(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """-inf, in place, at every token a constrained row's grammar does not allow (no host sync)."""
+    if batch.grammar_rows is None:
+        return
+    vocab = logits.shape[1]
+    words = batch.grammar_bitmask
+    if words.shape[1] * 32 < vocab:
+        raise ValueError(f"the grammar bitmask covers {words.shape[1] * 32} tokens; the logits have {vocab}")
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+    rows = batch.grammar_rows
+    logits.index_put_((rows,), logits[rows].masked_fill_(~allowed, float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -305,6 +326,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         top = (values - log_norm.unsqueeze(1), ids)
     if batch.min_tokens_mask is not None:
         x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
+    apply_grammar(x, batch)
     apply_penalties(x, batch)
 
     if batch.all_greedy:
