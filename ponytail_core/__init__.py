@@ -7,7 +7,7 @@ from .utils.compat import check_transformers
 
 check_transformers()
 
-from .kv.block_allocator import Allocation, NoRoom  # noqa: E402
+from .kv.blocks import Allocation, NoRoom  # noqa: E402
 from .kv.config import CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
 from .errors import ConfigError, KernelError, PonytailError  # noqa: E402

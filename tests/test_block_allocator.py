@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import ponytail.kv.block_allocator as block_allocator
-from ponytail.kv.block_allocator import BlockAllocator, NoRoom
+from ponytail.kv.block_allocator import BlockAllocator
+from ponytail.kv.blocks import NoRoom
 
 
 def refs(alloc: BlockAllocator) -> list[int]:

@@ -17,42 +17,7 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: int | None = None  # chained prefix hash, set once the block is full
-    token_ids: tuple[int, ...] = ()  # the tokens of a full block, checked on every hash hit
-
-    def reset(self) -> None:
-        self.ref_count = 0
-        self.hash = None
-        self.token_ids = ()
-
-
-@dataclass(frozen=True, slots=True)
-class NoRoom:
-    """Result of a request the pool cannot meet now. Falsy; nothing was changed."""
-
-    needed: int  # blocks the request needs
-    free: int  # blocks that could be handed out (free + evictable)
-
-    def __bool__(self) -> bool:
-        return False
-
-    @property
-    def message(self) -> str:
-        return f"no room: needs {self.needed} free KV blocks, {self.free} available"
-
-
-@dataclass(frozen=True, slots=True)
-class Allocation:
-    """What a caller must do after allocate/append succeeded."""
-
-    slots: list[int]  # slot id (block_id * block_size + offset) for each token to write
-    copies: list[tuple[int, int]]  # (src, dst) blocks to copy before writing (copy-on-write)
-    num_cached_tokens: int = 0  # leading tokens whose K/V is already present (prefix hit)
+from .blocks import Allocation, Block, NoRoom, chain_hash
 
 
 @dataclass(slots=True)
@@ -64,11 +29,6 @@ class _SeqState:
     num_committed: int = 0  # leading blocks offered to the prefix cache (their K/V is written)
     sealed_tokens: tuple[int, ...] = ()  # tokens of the last full block, to seal it again (replace_token)
     sealed_after: int | None = None  # the chain hash that block was sealed after
-
-
-def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained over the previous block's hash (prefix identity)."""
-    return hash((prev_hash, token_ids))
 
 
 class BlockAllocator:

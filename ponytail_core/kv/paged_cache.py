@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from . import cache_ops
-from .block_allocator import Allocation, BlockAllocator, NoRoom
+from .block_allocator import BlockAllocator
+from .blocks import Allocation, NoRoom
 from .config import CacheConfig
 from .storage import PagedKVStorage
 
