@@ -1,8 +1,9 @@
-"""The KV-block router against Serve's default power-of-two router, same workload, one run.
+"""Ponytail's routers against Serve's default power-of-two router, same workload, one run.
 
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random   # two GPUs, one replica each
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --rounds 2 --gaps 1.0,1.5,2.0
     python benchmarks/bench_router.py --small                                # CPU sanity run, default model
+    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --workload chat   # prefix affinity
 
 Two Serve apps with identical engine replicas differ only in their request router. Each gets the
 same skewed workload through the OpenAI API: long prompts (4k tokens on GPUs) among short ones,
@@ -16,6 +17,12 @@ KV-block router estimates ~3 characters per token).
 both routers), all on the same deployment: short gaps offer more than two replicas can serve
 (both routers then only work through a backlog), longer ones less, where placement decides.
 Rounds repeat everything with the routers' order reversed.
+
+--workload chat runs multi-turn chat sessions instead (chat_workload.py: shared system prompts,
+each turn extending the previous prompt and answer, through the chat API), with each replica's
+pool holding --pool-share of all sessions' final contexts, and compares prefix, kv_blocks and
+power_of_two by default. Every run reports its prefix hit rate: prompt tokens the engines found
+cached over prompt tokens admitted, from the replicas' own counters.
 
 Prints the KV budget, then per router, load and round: throughput (completion tokens/s), p50/p99
 time to first token, failed requests, preemptions, and requests and prompt tokens taken by each
@@ -47,9 +54,12 @@ import ponytail
 from deployments.app import build
 from deployments.reports import replica_reports
 
+from chat_workload import ChatShape, run_chat, sessions as chat_sessions
+
 MODEL = "SmolLM2-135M-Instruct"  # the model_id both apps serve, whatever the checkpoint
 ROUTER_ARGS = {  # --routers names -> the app's args that select them
     "kv_blocks": {"router": "kv_blocks"},
+    "prefix": {"router": "prefix"},  # kv_blocks plus prefix-cache affinity (deployments/prefix_router.py)
     "power_of_two": {"router": "power_of_two"},  # Serve's default
     "kv_blocks_nohold": {"router": "kv_blocks", "max_hold_s": 0},  # never waits in the router
     "kv_blocks_per_token": {"router": "kv_blocks", "stream_interval_s": 0},  # a Ray message per token and stream
@@ -88,12 +98,17 @@ def workload(tokenizer, n, long_share, long_len, short_len, seed, burst=None, lo
 
 def kv_budget(model_dir, device, long_per_replica, sizes) -> dict:
     """Bytes per replica for `long_per_replica` long requests plus one burst of short ones, whole blocks."""
-    dtype = "bf16" if device == "cuda" else "fp32"  # what ponytail.LLM loads the model in there
-    config = ponytail.CacheConfig.from_model(AutoConfig.from_pretrained(model_dir, local_files_only=True),
-                                             max_seq_len=sizes["max_model_len"], block_size=BLOCK, device="cpu")
-    config = dataclasses.replace(config, dtype=dtype)  # the shape from the checkpoint, the dtype of the engine
     tokens = (long_per_replica * (sizes["long_len"] + sizes["max_tokens"])
               + sizes["burst"] * (sizes["short_len"] + sizes["max_tokens"]))
+    return budget_for_tokens(model_dir, device, tokens, sizes["max_model_len"])
+
+
+def budget_for_tokens(model_dir, device, tokens, max_model_len) -> dict:
+    """Bytes per replica for a pool of `tokens` (whole blocks) in the engine's dtype."""
+    dtype = "bf16" if device == "cuda" else "fp32"  # what ponytail.LLM loads the model in there
+    config = ponytail.CacheConfig.from_model(AutoConfig.from_pretrained(model_dir, local_files_only=True),
+                                             max_seq_len=max_model_len, block_size=BLOCK, device="cpu")
+    config = dataclasses.replace(config, dtype=dtype)  # the shape from the checkpoint, the dtype of the engine
     blocks = -(-tokens // BLOCK)
     return {"bytes": blocks * config.block_bytes, "tokens": blocks * BLOCK, "blocks": blocks,
             "bytes_per_token": config.bytes_per_token, "dtype": dtype}
@@ -156,7 +171,10 @@ def pooled(runs: list[dict]) -> dict:
     and of the long-prompt requests alone (where placement shows first)."""
     ttfts = [t for r in runs for t in r["ttfts"]]
     longs = [t for r in runs for t in r["ttfts_long"]]
+    queries = sum(sum(r["replica_prompt_tokens"]) for r in runs)
     return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
+            "prefix_hit_rate": sum(sum(r["replica_prefix_hits"]) for r in runs) / queries if queries else 0.0,
+            "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
             "failed": sum(r["failed"] for r in runs), "preemptions": sum(r["preemptions"] for r in runs),
             "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["seconds"] for r in runs),
             **ttft_percentiles(ttfts), **ttft_percentiles(longs, "long_ttft")}
@@ -170,9 +188,10 @@ def over_capacity_bursts(prompts: list[list[int]], burst: int, long_len: int, lo
 
 
 def replica_counters(app_name) -> dict[str, tuple]:
-    """{replica: (requests taken, prompt tokens admitted, preemptions, engine steps, their seconds)} so far."""
+    """{replica: (requests taken, prompt tokens admitted, preemptions, engine steps, their seconds,
+    prompt tokens found in the prefix cache)} so far."""
     return {name: (r.num_requests, r.stats.prefix_cache_queries, r.stats.num_preemptions, r.num_steps,
-                   r.step_seconds)
+                   r.step_seconds, r.stats.prefix_cache_hits)
             for name, r in replica_reports(app_name, replicas=2).items()}
 
 
@@ -199,50 +218,81 @@ def main() -> int:
                         "prompt long with probability 1/4)")
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
-    parser.add_argument("--routers", default="kv_blocks,power_of_two",
-                        help=f"order of the runs in the first round (later rounds reverse it); "
-                        f"from {', '.join(ROUTER_ARGS)}")
+    parser.add_argument("--routers", help=f"order of the runs in the first round (later rounds reverse it); "
+                        f"from {', '.join(ROUTER_ARGS)} (default: kv_blocks,power_of_two; --workload chat: "
+                        "prefix,kv_blocks,power_of_two)")
     parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds of both routers, the order reversed every round; results pooled")
+                        help="rounds of every router, the order reversed every round; results pooled")
+    parser.add_argument("--workload", choices=("mix", "chat"), default="mix",
+                        help="mix: long and short prompts in bursts (the default); chat: multi-turn sessions "
+                        "sharing system prompts (chat_workload.py), --gaps then being seconds between session starts")
+    parser.add_argument("--sessions", type=int, help="chat: sessions per load (default 48, 4 --small)")
+    parser.add_argument("--pool-share", type=float, default=0.5,
+                        help="chat: each replica's KV pool holds this share of all sessions' final contexts "
+                        "(default 0.5: the two pools hold them all only if no prefix is cached twice)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.long_per_burst is not None and args.long_per_burst < 0:
         parser.error(f"--long-per-burst {args.long_per_burst}: expected 0 or more")
-    unknown = [r for r in args.routers.split(",") if r not in ROUTER_ARGS]
+    if args.sessions is not None and args.sessions < 1:
+        parser.error(f"--sessions {args.sessions}: expected 1 or more")
+    if not 0 < args.pool_share <= 4:
+        parser.error(f"--pool-share {args.pool_share}: expected more than 0 and at most 4")
+    chat = args.workload == "chat"
+    routers = (args.routers or ("prefix,kv_blocks,power_of_two" if chat else "kv_blocks,power_of_two")).split(",")
+    unknown = [r for r in routers if r not in ROUTER_ARGS]
     if unknown:
         parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}")
     if args.small:
         sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, max_model_len=1024)
+        shape = ChatShape(sessions=args.sessions or 4, turns=3, system_prompts=2, system_words=60, user_words=10,
+                          max_tokens=8, session_gap_s=0.3, think_s=0.2)
         engine = dict(device="cpu", max_num_seqs=8)
-        gaps = args.gaps or [0.5]
+        gaps = args.gaps or [shape.session_gap_s if chat else 0.5]
     else:
         sizes = dict(n=args.requests, long_share=0.25, long_len=4000, short_len=64, max_tokens=128, burst=16,
                      max_model_len=4224)
+        shape = ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=4, system_words=700, user_words=100,
+                          max_tokens=128, session_gap_s=0.1, think_s=0.5)
         engine = dict(device="cuda", max_num_seqs=64)
-        gaps = args.gaps or [1.0]
+        gaps = args.gaps or [shape.session_gap_s if chat else 1.0]
     assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
+    assert shape.context_tokens <= sizes["max_model_len"]
     model_dir = args.model or str(ponytail.models.loader.default_checkpoint())
-    budget = kv_budget(model_dir, engine["device"], args.long_per_replica, sizes)
+    if chat:
+        pool = max(int(args.pool_share * shape.sessions * shape.context_tokens), 2 * shape.context_tokens)
+        budget = budget_for_tokens(model_dir, engine["device"], pool, sizes["max_model_len"])
+        what = (f"{args.pool_share} x {shape.sessions} sessions x ~{shape.context_tokens} tokens (system prompt + "
+                f"{shape.turns} turns of ~{2 * shape.user_words} + {shape.max_tokens} tokens)")
+    else:
+        budget = kv_budget(model_dir, engine["device"], args.long_per_replica, sizes)
+        what = (f"{args.long_per_replica} x ({sizes['long_len']} + {sizes['max_tokens']}) long + "
+                f"{sizes['burst']} x ({sizes['short_len']} + {sizes['max_tokens']}) short")
     engine.update(model=args.model, model_id=MODEL, kv_cache_memory=budget["bytes"],
                   max_model_len=sizes["max_model_len"])
     print(f"KV cache per replica: {budget['bytes'] / 2**20:.1f} MiB = {budget['blocks']} blocks = "
-          f"{budget['tokens']} tokens at {budget['bytes_per_token']} bytes/token ({budget['dtype']}): "
-          f"{args.long_per_replica} x ({sizes['long_len']} + {sizes['max_tokens']}) long + "
-          f"{sizes['burst']} x ({sizes['short_len']} + {sizes['max_tokens']}) short")
+          f"{budget['tokens']} tokens at {budget['bytes_per_token']} bytes/token ({budget['dtype']}): {what}")
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    loads = [(gap, workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"],
-                            seed=index, burst=sizes["burst"], long_per_burst=args.long_per_burst))
-             for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
+    if chat:
+        loads = [(gap, chat_sessions(shape, seed=index)) for index, gap in enumerate(gaps)]
+        for gap, conversations in loads:
+            print(f"load: {len(conversations)} chat sessions {gap} s apart, {shape.turns} turns each "
+                  f"({shape.think_s} s between a session's turns), {shape.system_prompts} system prompts of "
+                  f"{shape.system_words} words shared round-robin, {shape.max_tokens} tokens per answer")
+    else:
+        loads = [(gap, workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"],
+                                seed=index, burst=sizes["burst"], long_per_burst=args.long_per_burst))
+                 for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
+        for gap, prompts in loads:
+            over = over_capacity_bursts(prompts, sizes["burst"], sizes["long_len"], args.long_per_replica)
+            print(f"load gap {gap} s: {len(prompts)} prompts in bursts of {sizes['burst']}, "
+                  f"{sum(len(p) == sizes['long_len'] for p in prompts)} long ({sizes['long_len']} tokens, the rest "
+                  f"{sizes['short_len']}), + max_tokens {sizes['max_tokens']}; {len(over)} of "
+                  f"{-(-len(prompts) // sizes['burst'])} bursts bring more long prompts {over} than the two pools "
+                  f"hold ({2 * args.long_per_replica})")
     warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))
               for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
-    for gap, prompts in loads:
-        over = over_capacity_bursts(prompts, sizes["burst"], sizes["long_len"], args.long_per_replica)
-        print(f"load gap {gap} s: {len(prompts)} prompts in bursts of {sizes['burst']}, "
-              f"{sum(len(p) == sizes['long_len'] for p in prompts)} long ({sizes['long_len']} tokens, the rest "
-              f"{sizes['short_len']}), + max_tokens {sizes['max_tokens']}; {len(over)} of "
-              f"{-(-len(prompts) // sizes['burst'])} bursts bring more long prompts {over} than the two pools "
-              f"hold ({2 * args.long_per_replica})")
 
     port = free_port()
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
@@ -251,8 +301,7 @@ def main() -> int:
     runs: dict[str, list[dict]] = {}
     try:
         for round_index in range(args.rounds):
-            order = args.routers.split(",")
-            for router in order if round_index % 2 == 0 else order[::-1]:
+            for router in routers if round_index % 2 == 0 else routers[::-1]:
                 name = f"ponytail-{router}"
                 serve.run(build({**engine, **ROUTER_ARGS[router], "min_replicas": 2, "max_replicas": 2}), name=name,
                           route_prefix=f"/{router}")
@@ -260,11 +309,18 @@ def main() -> int:
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
                 for gap, prompts in loads:
                     before = replica_counters(name)
-                    result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap, sizes["long_len"])
+                    if chat:
+                        result = run_chat(base, MODEL, prompts, dataclasses.replace(shape, session_gap_s=gap))
+                        result.update(ttft_percentiles(result["ttfts"]))
+                    else:
+                        result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap, sizes["long_len"])
                     after = replica_counters(name)
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
+                    queries, hits = sum(d[1] for d in deltas), sum(d[5] for d in deltas)
                     result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
                                   replica_prompt_tokens=[d[1] for d in deltas],
+                                  replica_prefix_hits=[d[5] for d in deltas],
+                                  prefix_hit_rate=hits / queries if queries else 0.0,
                                   preemptions=sum(d[2] for d in deltas), replica_steps=[d[3] for d in deltas],
                                   replica_step_ms=[round(1e3 * d[4] / d[3], 2) if d[3] else None for d in deltas],
                                   replica_busy=[round(d[4] / result["seconds"], 3) for d in deltas])
@@ -273,43 +329,57 @@ def main() -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-
-    print(f"\n{'gap':>4s} {'round':>5s} {'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'failed':>7s} "
-          f"{'preempt':>8s}  per replica: requests, prompt tokens")
-    for gap in gaps:
-        for router, router_runs in runs.items():
-            for r in (r for r in router_runs if r["gap"] == gap):
-                print(f"{gap:4.1f} {r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} "
-                      f"{r['ttft_p50'] or float('nan'):9.3f} {r['ttft_p99'] or float('nan'):8.3f} {r['failed']:7d} "
-                      f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
-                print(f"{'':26s}engine steps {r['replica_steps']}, mean step ms {r['replica_step_ms']}, "
-                      f"busy {r['replica_busy']} of the load's time")
-                for error in r["errors"]:
-                    print(f"  error: {error}")
     results = {router: {str(gap): pooled([r for r in router_runs if r["gap"] == gap]) for gap in gaps}
                for router, router_runs in runs.items()}
-    print(f"\npooled over {args.rounds} round(s):")
-    for gap in gaps:
-        for router, per_gap in results.items():
-            r = per_gap[str(gap)]
-            nan = float("nan")
-            print(f"  gap {gap:.1f} s {router:16s} {r['tokens_per_s']:8.1f} tok/s, TTFT p50/p90/p99 "
-                  f"{r['ttft_p50'] or nan:.3f}/{r['ttft_p90'] or nan:.3f}/{r['ttft_p99'] or nan:.3f} s "
-                  f"(long prompts {r['long_ttft_p50'] or nan:.3f}/{r['long_ttft_p90'] or nan:.3f}/"
-                  f"{r['long_ttft_p99'] or nan:.3f} s), {r['failed']} failed, {r['preemptions']} preemptions")
-        kv, p2 = results.get("kv_blocks", {}).get(str(gap)), results.get("power_of_two", {}).get(str(gap))
-        if kv and p2 and kv["ttft_p99"] and p2["ttft_p99"]:
-            change = 100 * (1 - kv["ttft_p99"] / p2["ttft_p99"])
-            print(f"  gap {gap:.1f} s: throughput ratio kv/p2c {kv['tokens_per_s'] / p2['tokens_per_s']:.2f}x; "
-                  f"p99 TTFT {abs(change):.0f}% {'lower' if change >= 0 else 'higher'} with the KV-block router")
+    report(runs, results, gaps, args.rounds, chat)
     for router_runs in runs.values():
         for r in router_runs:
             del r["ttfts"], r["ttfts_long"]  # the JSON keeps percentiles, not every sample
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"sizes": sizes, "gaps": gaps, "engine": engine, "kv_budget": budget, "pooled": results,
-                       "runs": runs}, f, indent=2)
+            json.dump({"workload": args.workload, "sizes": sizes, "chat": dataclasses.asdict(shape) if chat else None,
+                       "gaps": gaps, "engine": engine, "kv_budget": budget, "pooled": results, "runs": runs},
+                      f, indent=2)
     return 1 if any(r["failed"] for per_gap in results.values() for r in per_gap.values()) else 0
+
+
+def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gaps: list[float], rounds: int,
+           chat: bool) -> None:
+    """Per run, then pooled per router and load, then each router against power of two."""
+    print(f"\n{'gap':>4s} {'round':>5s} {'router':14s} {'tok/s':>8s} {'TTFT p50':>9s} {'p99':>8s} {'hits':>6s} "
+          f"{'failed':>7s} {'preempt':>8s}  per replica: requests, prompt tokens")
+    for gap in gaps:
+        for router, router_runs in runs.items():
+            for r in (r for r in router_runs if r["gap"] == gap):
+                print(f"{gap:4.1f} {r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} "
+                      f"{r['ttft_p50'] or float('nan'):9.3f} {r['ttft_p99'] or float('nan'):8.3f} "
+                      f"{r['prefix_hit_rate']:6.1%} {r['failed']:7d} "
+                      f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
+                print(f"{'':26s}engine steps {r['replica_steps']}, mean step ms {r['replica_step_ms']}, "
+                      f"busy {r['replica_busy']} of the load's time")
+                for error in r["errors"]:
+                    print(f"  error: {error}")
+    nan = float("nan")
+    print(f"\npooled over {rounds} round(s):")
+    for gap in gaps:
+        for router, per_gap in results.items():
+            r = per_gap[str(gap)]
+            print(f"  gap {gap:.1f} s {router:16s} {r['tokens_per_s']:8.1f} tok/s, TTFT mean {r['ttft_mean'] or nan:.3f} "
+                  f"p50/p90/p99 {r['ttft_p50'] or nan:.3f}/{r['ttft_p90'] or nan:.3f}/{r['ttft_p99'] or nan:.3f} s"
+                  + ("" if chat else f" (long prompts {r['long_ttft_p50'] or nan:.3f}/{r['long_ttft_p90'] or nan:.3f}/"
+                                     f"{r['long_ttft_p99'] or nan:.3f} s)")
+                  + f", prefix hits {r['prefix_hit_rate']:.1%} of prompt tokens, {r['failed']} failed, "
+                  f"{r['preemptions']} preemptions")
+        p2 = results.get("power_of_two", {}).get(str(gap))
+        for router, per_gap in results.items():
+            r = per_gap[str(gap)]
+            if router == "power_of_two" or not p2 or not (r["ttft_p99"] and p2["ttft_p99"] and r["ttft_mean"]):
+                continue
+            p99 = 100 * (1 - r["ttft_p99"] / p2["ttft_p99"])
+            mean = 100 * (1 - r["ttft_mean"] / p2["ttft_mean"])
+            print(f"  gap {gap:.1f} s: {router} against power_of_two: throughput {r['tokens_per_s'] / p2['tokens_per_s']:.2f}x, "
+                  f"mean TTFT {abs(mean):.0f}% {'lower' if mean >= 0 else 'higher'}, "
+                  f"p99 TTFT {abs(p99):.0f}% {'lower' if p99 >= 0 else 'higher'}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,9 @@ KV memory, speed), never answers.
     python benchmarks/random_checkpoint.py export .gpu/smollm2-files
     # on the GPU machine (.gpu/ carried along): seeded bf16 weights, ~270 MB, ~10 s
     python benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random
+    # the same tokenizer on a Llama-2-7B-shaped body (32 layers, 4096 wide, 32 KV heads), drawn on
+    # the GPU: ~13.5 GB of bf16 weights
+    python benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b --device cuda
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ import torch
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
 MARKER = "ponytail-random.json"  # says how the weights were made; a matching one means "already built"
 SKIP = {"ponytail-source.json", "model.safetensors.index.json", MARKER}  # describe weights not carried
+# --shape: config.json fields replaced, keeping the exported tokenizer (and so its vocabulary).
+SHAPES = {"7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                 "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
+                 "max_position_embeddings": 4096}}
 
 
 def export_files(target: str | Path, source: str | Path | None = None) -> list[Path]:
@@ -48,22 +55,28 @@ def export_files(target: str | Path, source: str | Path | None = None) -> list[P
 
 
 def build_checkpoint(files: str | Path, target: str | Path, seed: int = 0,
-                     dtype: torch.dtype = torch.bfloat16) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, shape: str | None = None, device: str = "cpu") -> Path:
     """Write a checkpoint with seeded random weights for `files`' config.json, plus its other files.
 
     Files other than config.json (tokenizer, chat template, generation config) are copied as they
-    are. A target already built from the same files, seed and dtype is kept as it is.
+    are. shape: a SHAPES name whose fields replace config.json's. device: where the weights are
+    drawn ("cuda" is much faster for billions of them). A target already built from the same
+    files, shape, seed and dtype is kept as it is.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     files, target = Path(files), Path(target)
+    if shape is not None and shape not in SHAPES:
+        raise SystemExit(f"--shape {shape!r} is not known; allowed: {', '.join(SHAPES)}")
+    overrides = SHAPES.get(shape, {})
     marker = {"seed": seed, "dtype": str(dtype).removeprefix("torch."),
-              "config": json.loads((files / "config.json").read_text())}
+              "config": {**json.loads((files / "config.json").read_text()), **overrides}}
     if _read_json(target / MARKER) == marker:
         return target
-    config = AutoConfig.from_pretrained(files, local_files_only=True)
+    config = AutoConfig.from_pretrained(files, local_files_only=True, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)  # drawn in fp32, as trained
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(dtype)  # drawn in fp32, as trained
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
@@ -98,12 +111,14 @@ def main() -> int:
     build.add_argument("files")
     build.add_argument("target")
     build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--shape", choices=sorted(SHAPES), help="replace the config's size fields (tokenizer kept)")
+    build.add_argument("--device", default="cpu", help="where to draw the weights (default: cpu)")
     args = parser.parse_args()
     if args.command == "export":
         for path in export_files(args.target, args.source):
             print(f"{path} ({path.stat().st_size:,} bytes)")
     else:
-        print(build_checkpoint(args.files, args.target, args.seed))
+        print(build_checkpoint(args.files, args.target, args.seed, shape=args.shape, device=args.device))
     return 0
 
 

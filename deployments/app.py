@@ -7,70 +7,28 @@ streaming from them through a handle. Other Ray apps call `generate` on the app 
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, BackpressureConfig, RequestRouterConfig
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from ponytail.utils.units import is_seconds
-
+from .args import ROUTERS, AppArgs
+from .http_guard import AccessPolicy
+from .limits import RequestLimits
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
 
-ROUTERS = {
-    "kv_blocks": "deployments.router:KVBlockRouter",
-    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
-}
+logger = logging.getLogger("ponytail.serve")
 
-
-@dataclass(slots=True)
-class AppArgs:
-    """The `args:` of app.yaml (all optional)."""
-
-    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; else a local checkpoint path
-    model_id: str | None = None  # the name clients put in "model"
-    device: str = "auto"  # auto | cuda | cpu: auto takes one GPU per replica when the cluster has GPUs
-    kv_cache_memory: int | str | None = None  # per replica; None: what the device has free
-    max_num_seqs: int = 64
-    max_model_len: int | None = None
-    block_size: int = 16
-    min_replicas: int = 1
-    max_replicas: int = 2
-    target_ongoing_requests: float = 16
-    max_queued_requests: int = 256  # beyond this the API answers 503
-    stats_period_s: float = 0.2  # how often replicas report free KV blocks to the router
-    router: str = "kv_blocks"  # kv_blocks (deployments.router) | power_of_two (Serve's default, to compare)
-    max_hold_s: float = 10.0  # kv_blocks: longest wait in the router while no replica has room (0: never)
-    compile_model: bool = False  # torch.compile the decoder layers: ~21% more decode tokens/s on a 7B (H200)
-    stream_interval_s: float = 0.05  # a stream's deltas merged over this long (first token and end not held)
-
-    ENGINE_FIELDS = ("model", "model_id", "kv_cache_memory", "max_num_seqs", "max_model_len", "block_size",
-                     "compile_model", "stream_interval_s")  # what EngineReplica takes, besides the device
-
-    def __post_init__(self):
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ValueError(f"device={self.device!r} is not supported; allowed: auto, cuda, cpu")
-        if self.router not in ROUTERS:
-            raise ValueError(f"router={self.router!r} is not supported; allowed: {', '.join(ROUTERS)}")
-        if not isinstance(self.compile_model, bool):
-            raise ValueError(f"compile_model={self.compile_model!r} is not supported; allowed: true, false")
-        hold = self.max_hold_s
-        if not is_seconds(hold):
-            raise ValueError(f"max_hold_s={hold!r} is not supported; allowed: seconds >= 0 (0: never hold)")
-        interval = self.stream_interval_s
-        if not is_seconds(interval, most=1):
-            raise ValueError(f"stream_interval_s={interval!r} is not supported; allowed: seconds from 0 to 1 "
-                             "(0: a message per engine step)")
-        if not 1 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
-                             "need 1 <= min_replicas <= max_replicas")
+INGRESS_SHUTDOWN_EXTRA_S = 10.0  # the ingress's graceful shutdown outlasts the engines' by this much
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -78,18 +36,26 @@ class AppArgs:
 class OpenAIIngress:
     """HTTP front: the OpenAI API (openai_api.build_app) over the engine replicas."""
 
-    def __init__(self, engine: DeploymentHandle):
-        self.engine = engine
+    def __init__(self, engine_handle: DeploymentHandle, retry_after_s: float = 1.0, limits: RequestLimits | None = None,
+                 access: AccessPolicy | None = None):
+        self.engine_handle = engine_handle  # to the EngineReplica deployment (its router picks the replica)
+        self.retry_after_s = retry_after_s  # the Retry-After of a 503 when the engines' queue is full
+        self.limits = limits or RequestLimits()
+        self.access = access or AccessPolicy(max_body_bytes=self.limits.max_body_bytes)
         self._streams: dict[str, Any] = {}
 
     def __serve_build_asgi_app__(self):
-        return build_app(self)
+        return build_app(self, self.limits, self.access, request_id_header=False)  # Serve's proxy adds x-request-id
 
     async def model_info(self) -> ModelInfo:
-        return await self.engine.model_info.remote()
+        try:
+            return await self.engine_handle.model_info.remote()
+        except BackPressureError as exc:  # the engines' queue bounds this call too
+            raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
+                                     retry_after_s=self.retry_after_s) from None
 
     async def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-        response = self.engine.options(stream=True).generate.remote(request)
+        response = self.engine_handle.options(stream=True).generate.remote(request)
         self._streams[request.request_id] = response
         finished = False
         try:
@@ -97,11 +63,19 @@ class OpenAIIngress:
                 finished = delta.finished
                 yield delta
         except BackPressureError as exc:
-            raise BackendUnavailable(f"all engine replicas are busy: {exc}") from exc
+            finished = True  # refused before any replica took it: nothing to cancel
+            raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
+                                     retry_after_s=self.retry_after_s) from None
+        except RayActorError as exc:  # shutdown (engines stop before the ingress) or a failed replica
+            finished = True  # its actor is gone: nothing to cancel
+            logger.warning("request %s: its engine replica stopped: %s", request.request_id, exc)
+            raise BackendUnavailable("the engine replica serving this request stopped (the server is shutting "
+                                     "down or the replica failed); retry later",
+                                     retry_after_s=self.retry_after_s) from None
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:  # the consumer left early: cancelling aborts it on the replica
-                response.cancel()
+                _cancel(response, request.request_id)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """For other Ray apps: `serve.get_app_handle("ponytail").options(stream=True).generate.remote(req)`
@@ -111,11 +85,31 @@ class OpenAIIngress:
         async for delta in self.stream(request):
             yield delta
 
+    async def engine_stats(self) -> dict:
+        """For /metrics: the report of the replica this call reaches (Serve picks one per call)."""
+        report = await self.engine_handle.report.remote()
+        return {report.replica: report.stats}
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        return await self.engine_handle.tokenize.remote(prompt, messages)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self.engine_handle.detokenize.remote(token_ids)
+
     async def abort(self, request_id: str) -> None:
         """Cancelling the stream cancels the replica's generator, which aborts the request there."""
         response = self._streams.pop(request_id, None)
         if response is not None:
-            response.cancel()
+            _cancel(response, request_id)
+
+
+def _cancel(response, request_id: str) -> None:
+    """Cancel a handle call; never raise. Serve's cancel() fetches the routing result when its
+    router runs in another loop, and a call refused or failed there raises that error again."""
+    try:
+        response.cancel()
+    except Exception as exc:  # the call had already failed: nothing runs on a replica
+        logger.debug("cancelling request %s: it had already failed (%r)", request_id, exc)
 
 
 def _wants_gpu(device: str) -> bool:
@@ -128,28 +122,37 @@ def _wants_gpu(device: str) -> bool:
 
 def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
     """EngineReplica's constructor arguments from the app's args."""
-    values = asdict(settings)
-    return {**{name: values[name] for name in AppArgs.ENGINE_FIELDS}, "device": "cuda" if gpu else "cpu"}
+    arguments = {**{name: getattr(settings, name) for name in AppArgs.ENGINE_FIELDS},
+                 "model_id": settings.served_name(), "device": "cuda" if gpu else "cpu"}
+    if not gpu:
+        arguments["gpu_memory_utilization"] = None  # a CPU replica has no GPU to take a share of
+    return arguments
 
 
 def router_arguments(settings: AppArgs) -> dict:
     """request_router_kwargs for the chosen router (Serve's own takes none)."""
+    if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
+        return {"max_hold_s": float(settings.max_hold_s), "prefix_weight": float(settings.prefix_weight),
+                "model": settings.model}
     return {"max_hold_s": float(settings.max_hold_s)} if settings.router == "kv_blocks" else {}
 
 
-def build(args: dict | None = None):
-    """The application for `serve run deployments/app.yaml` (or `serve.run(build({...}))`)."""
-    settings = AppArgs(**(args or {}))
+def build(args: AppArgs | dict | None = None):
+    """The application for `serve run deployments/app.yaml`, `serve run deployments.app:build
+    key=value ...`, `ponytail serve` or `serve.run(build({...}))`. Serve validates the args into
+    AppArgs itself only when the annotation is a class, not this module's postponed string."""
+    settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
-    engine = serve.deployment(
+    engine_deployment = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        ray_actor_options={"num_gpus": 1 if gpu else 0, "num_cpus": 1},
+        ray_actor_options={"num_gpus": (settings.gpu_memory_utilization or 1) if gpu else 0, "num_cpus": 1},
         autoscaling_config=AutoscalingConfig(min_replicas=settings.min_replicas,
                                              max_replicas=settings.max_replicas,
                                              target_ongoing_requests=settings.target_ongoing_requests,
                                              upscale_delay_s=2, downscale_delay_s=10),
-        max_ongoing_requests=settings.max_num_seqs * 2,
+        max_ongoing_requests=settings.replica_max_ongoing_requests,
+        graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
         max_queued_requests=settings.max_queued_requests,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router],
                                                   request_routing_stats_period_s=settings.stats_period_s,
@@ -158,7 +161,13 @@ def build(args: dict | None = None):
     )
     engine_args = engine_arguments(settings, gpu)
     # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
-    # holds its slot while it streams): let the ingress take what the engines can run and queue.
-    ingress = OpenAIIngress.options(max_ongoing_requests=settings.max_replicas * settings.max_num_seqs * 2
-                                    + settings.max_queued_requests)
-    return ingress.bind(engine.bind(**engine_args))
+    # holds its slot while it streams). The ingress takes more than the engines can run and queue,
+    # so overload meets the engines' bound and gets the API's 503 (a refusal frees its slot at
+    # once); its own queue is bounded too, as a backstop (Serve's plain 503, same Retry-After).
+    engines = settings.max_replicas * settings.replica_max_ongoing_requests
+    ingress = OpenAIIngress.options(max_ongoing_requests=engines + 2 * settings.max_queued_requests,
+                                    max_queued_requests=engines + 4 * settings.max_queued_requests,
+                                    backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s),
+                                    graceful_shutdown_timeout_s=settings.shutdown_timeout_s + INGRESS_SHUTDOWN_EXTRA_S)
+    return ingress.bind(engine_deployment.bind(**engine_args), retry_after_s=settings.retry_after_s, limits=settings.limits(),
+                        access=settings.access())

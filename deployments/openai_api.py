@@ -1,17 +1,24 @@
 """The OpenAI-compatible HTTP API over any backend that streams GenerateDeltas; no Ray in here.
 
 `build_app(backend)` returns a FastAPI app serving /v1/models, /v1/completions,
-/v1/chat/completions and /health. The backend (the Serve ingress in app.py, a fake in the tests)
-needs three methods:
+/v1/chat/completions, /tokenize, /detokenize, /version, /metrics and /health. The backend (the Serve
+ingress in app.py, a fake in the tests) needs these methods (the last two for /tokenize and
+/detokenize only):
 
     async def model_info(self) -> ModelInfo
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]   # an async generator
     async def abort(self, request_id: str) -> None
+    async def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]
+    async def detokenize(self, token_ids: list[int]) -> str
+    async def engine_stats(self) -> dict[str, EngineStats]   # optional: engine series in /metrics
 
-A request's life: parse the body (type errors -> 400 naming the field), check `model` (404),
-build ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
+A request's life: the HTTP guard (http_guard.py: API key 401, JSON only 415, body size 413),
+parse the body (type errors and OpenAI's ranges -> 400 naming the field), check `model` (404) and
+the request limits (limits.py, 400; `context_length_exceeded` when over the context), build
+ponytail.SamplingParams from the mapped fields (bad values -> 400 with its message), start
 the backend stream and wait for its first delta, so an error raised there (a prompt too long is a
-ConfigError -> 400, BackendUnavailable -> 503, anything else -> 500) still gets a status code.
+ConfigError -> 400, BackendUnavailable -> 503 with Retry-After, anything else -> 500) still gets
+a status code.
 Then either collect the text into one JSON body or send it as server-sent events. Errors after
 the first event are sent as a last `data: {"error": ...}` event before `data: [DONE]`. A client
 that goes away mid-request gets its request aborted: the stream's generator is cancelled or
@@ -21,9 +28,12 @@ closed, and its cleanup calls backend.abort(request_id).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import math
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -34,20 +44,29 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ponytail import ConfigError, SamplingParams
+import ponytail
+from ponytail import ConfigError, ContextLengthError, SamplingParams
 
 from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
-                              CompletionChunk, CompletionRequest, ErrorInfo, ErrorResponse, Model, ModelList,
-                              Usage, to_generate_request)
-from .protocol import GenerateDelta, GenerateRequest, ModelInfo
+                              CompletionChunk, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
+                              ErrorInfo, TokenizeRequest, TokenizeResponse, ErrorResponse, Model, ModelList,
+                              Usage, to_generate_requests)
+from .api_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .api_metrics import ApiMetrics
+from .openai_logprobs import chat_logprobs, completion_logprobs
+from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
+from .http_guard import AccessPolicy, install
+from .limits import LimitExceeded, RequestLimits
 from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
 
 ABORT_TIMEOUT_S = 5.0  # the most a cleanup waits on backend.abort
+MAX_MESSAGE_CHARS = 1000  # error messages are cut here, so user input is never echoed back whole
 _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")  # ConfigError messages start "field=value ..."
-_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
 
 
@@ -60,22 +79,34 @@ class Backend(Protocol):
 
 
 class BackendUnavailable(Exception):
-    """Raised by a backend when no engine replica can take the request now; the API answers 503."""
+    """Raised by a backend when no engine replica can take the request now; the API answers 503
+    with Retry-After: retry_after_s (rounded up to whole seconds, as HTTP wants)."""
+
+    def __init__(self, message: str = "", retry_after_s: float = 1.0):
+        super().__init__(message, retry_after_s)  # all in args: it crosses Ray handles pickled
+        self.retry_after_s = retry_after_s
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class APIError(Exception):
     """An error answered as is, in OpenAI's shape {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: float = 1.0):
+        if len(message) > MAX_MESSAGE_CHARS:  # messages may quote user input: never echo it whole
+            message = message[:MAX_MESSAGE_CHARS] + "... (truncated)"
         super().__init__(message)
         self.status = status
+        self.retry_after_s = retry_after_s
         self.info = ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
 
     def body(self) -> str:
         return ErrorResponse(error=self.info).model_dump_json()
 
     def response(self) -> Response:
-        headers = {"Retry-After": "1"} if self.status == 503 else None
+        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status == 503 else None
         return Response(self.body(), status_code=self.status, media_type="application/json", headers=headers)
 
 
@@ -102,6 +133,12 @@ def _api_error(exc: BaseException, request_id: str | None = None,
     """The answer for an exception: ours as is, ConfigError 400, BackendUnavailable 503, else 500."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, LimitExceeded):
+        return APIError(exc.status, str(exc), param=exc.param, code=exc.code)
+    if (context := _find(exc, ContextLengthError)) is not None:  # OpenAI's code for it, and the field at fault
+        param = context.too_many_tokens
+        return APIError(400, str(context), param=field_name(param) if field_name else param,
+                        code="context_length_exceeded")
     if (config := _find(exc, ConfigError)) is not None:
         message = str(config)
         match = _PARAM.match(message)
@@ -112,7 +149,7 @@ def _api_error(exc: BaseException, request_id: str | None = None,
         return APIError(400, message, param=param)
     if (unavailable := _find(exc, BackendUnavailable)) is not None:
         return APIError(503, str(unavailable) or "no engine replica is available now; retry later",
-                        code="service_unavailable")
+                        code="service_unavailable", retry_after_s=getattr(unavailable, "retry_after_s", 1.0))
     logger.error("request %s failed", request_id, exc_info=exc)
     which = f" in request {request_id}" if request_id else ""
     return APIError(500, f"internal server error{which}; the server log has the details")
@@ -132,7 +169,8 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 
 def _model_not_found(model: str, info: ModelInfo) -> APIError:
-    return APIError(404, f"the model {model!r} does not exist; this server serves {info.model_id!r}",
+    shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
+    return APIError(404, f"the model {shown} does not exist; this server serves {info.model_id!r}",
                     param="model", code="model_not_found")
 
 
@@ -221,63 +259,113 @@ def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
 
+def _piece(delta: GenerateDelta) -> tuple[str, list[TokenLogprob] | None]:
+    """A delta's text and token logprobs, the echoed prompt (first delta only) in front."""
+    text, items = delta.text, delta.logprobs
+    if delta.prompt_text is not None:
+        text = delta.prompt_text + text
+        if delta.prompt_logprobs is not None:
+            items = delta.prompt_logprobs + (items or [])
+    return text, items
+
+
 class _CompletionFormat:
-    """Response objects of /v1/completions for one request."""
+    """Response objects of /v1/completions for one request (one choice per prompt)."""
 
-    def __init__(self, request_id: str, model: str):
+    def __init__(self, request_id: str, model: str, fingerprint: str | None = None):
         self.common = dict(id=request_id, created=int(time.time()), model=model)
+        self.fingerprint = fingerprint
+        self.text_offsets: dict[int, int] = {}  # per choice: where its next streamed piece starts
 
-    def start(self) -> list[BaseModel]:
+    def start(self, index: int) -> list[BaseModel]:
         return []
 
-    def text(self, text: str) -> BaseModel:
-        return CompletionChunk(choices=[CompletionChoice(text=text)], **self.common)
+    def _logprobs(self, index: int, text: str, items: list[TokenLogprob] | None):
+        offset = self.text_offsets.get(index, 0)
+        self.text_offsets[index] = offset + len(text)
+        return None if items is None else completion_logprobs(items, offset)
 
-    def finish(self, finish_reason: str | None) -> BaseModel:
-        return CompletionChunk(choices=[CompletionChoice(text="", finish_reason=finish_reason)], **self.common)
+    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        return CompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
+
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return self._chunk([CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, text, items))])
+
+    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
+        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
 
     def usage(self, usage: Usage) -> BaseModel:
-        return CompletionChunk(choices=[], usage=usage, **self.common)
+        return self._chunk([], usage)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        return Completion(choices=[CompletionChoice(text=text, finish_reason=finish_reason)], usage=usage,
-                          **self.common)
+    def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
+        return CompletionChoice(index=index, text=text, finish_reason=finish_reason,
+                                logprobs=self._logprobs(index, text, items))
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return Completion(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
 
 class _ChatFormat(_CompletionFormat):
     """Response objects of /v1/chat/completions for one request."""
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> BaseModel:
-        return ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                                   **self.common)
+    def _delta(self, index: int, delta: ChatDelta, finish_reason: str | None = None,
+               items: list[TokenLogprob] | None = None) -> BaseModel:
+        logprobs = None if items is None else chat_logprobs(items)
+        return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
 
-    def start(self) -> list[BaseModel]:
-        return [self._chunk(ChatDelta(role="assistant", content=""))]
+    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        return ChatCompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
-    def text(self, text: str) -> BaseModel:
-        return self._chunk(ChatDelta(content=text))
+    def start(self, index: int) -> list[BaseModel]:
+        return [self._delta(index, ChatDelta(role="assistant", content=""))]
 
-    def finish(self, finish_reason: str | None) -> BaseModel:
-        return self._chunk(ChatDelta(), finish_reason)
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
+        return self._delta(index, ChatDelta(content=text), items=items)
 
-    def usage(self, usage: Usage) -> BaseModel:
-        return ChatCompletionChunk(choices=[], usage=usage, **self.common)
+    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
+        return self._delta(index, ChatDelta(), finish_reason)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
-        return ChatCompletion(choices=[ChatChoice(message=ChatMessage(content=text), finish_reason=finish_reason)],
-                              usage=usage, **self.common)
+    def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
+        return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=finish_reason,
+                          logprobs=None if items is None else chat_logprobs(items))
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return ChatCompletion(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
 
 class _OpenAIServer:
-    def __init__(self, backend: Backend):
+    def __init__(self, backend: Backend, limits: RequestLimits, request_id_header: bool = True):
         self.backend = backend
+        self.limits = limits
+        self.request_id_header = request_id_header  # False behind Serve, whose proxy sets x-request-id
         self._info: ModelInfo | None = None  # a deployment serves one model for its whole life
+        self._asking: asyncio.Future | None = None  # the one backend.model_info call in flight
+        self._metrics: ApiMetrics | None = None  # made with the first model_info: it labels the series
         self.created = int(time.time())
 
     async def model_info(self) -> ModelInfo:
+        """The backend's answer, asked once: a burst of first requests shares one call."""
         if self._info is None:
-            self._info = await self.backend.model_info()
+            if self._asking is None or self._asking.done():
+                self._asking = asyncio.ensure_future(self.backend.model_info())
+            self._info = await asyncio.shield(self._asking)
         return self._info
+
+    def metrics(self, info: ModelInfo) -> ApiMetrics:
+        if self._metrics is None:
+            self._metrics = ApiMetrics(info.model_id)
+        return self._metrics
+
+    async def metrics_text(self) -> Response:
+        """/metrics: Prometheus text; engine series from the backend's replica reports, if it has any."""
+        try:
+            info = await self.model_info()
+            stats = getattr(self.backend, "engine_stats", None)
+            reports = await stats() if stats is not None else None
+            body = self.metrics(info).render(reports)
+        except Exception as exc:
+            return _api_error(exc).response()
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, model_id: str | None = None) -> Response:
         """The model list, or with model_id the one model (404 when it is not the one served)."""
@@ -285,7 +373,7 @@ class _OpenAIServer:
             info = await self.model_info()
         except Exception as exc:
             return _api_error(exc).response()
-        model = Model(id=info.model_id, created=self.created, max_model_len=info.max_model_len)
+        model = Model(id=info.model_id, created=self.created, max_model_len=info.max_model_len, root=info.root)
         if model_id is None:
             return Response(ModelList(data=[model]).model_dump_json(), media_type="application/json")
         if model_id != info.model_id:
@@ -303,68 +391,169 @@ class _OpenAIServer:
             info = await self.model_info()
             if req.model is not None and req.model != info.model_id:
                 raise _model_not_found(req.model, info)
-            generate = to_generate_request(req)
-            request_id = generate.request_id
-            plan = plan_structured(req, generate) if kind is ChatCompletionRequest else None
-            SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
-            fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(request_id, info.model_id)
+            self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
+            base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
+            generates = to_generate_requests(req, base_id)
+            request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
+            plan = plan_structured(req, generates[0]) if kind is ChatCompletionRequest else None  # one choice
+            for generate in generates:
+                SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
+            fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
+                request_id, info.model_id, system_fingerprint(info))
             if plan is not None:
                 fmt = ToolCallFormat(fmt, plan)
-            generation = _Generation(self.backend, generate)
-            streaming = False  # once True, the event stream owns the generation and closes it
-            try:  # wait for the first delta: errors raised there still get a status code
-                first = _check(await _unless_disconnected(request, generation.next()))
+            headers = {"X-Request-Id": base_id} if self.request_id_header else {}
+            generations = [_Generation(self.backend, generate) for generate in generates]
+            metrics, started = self.metrics(info), time.monotonic()
+            streaming = False  # once True, the event stream owns the generations and closes them
+            try:  # wait for the first deltas: errors raised there still get a status code
+                firsts = await _unless_disconnected(request, asyncio.gather(
+                    *(_first(generation, metrics, started) for generation in generations)))
                 if req.stream:
-                    events = self._events(generation, first, fmt, req.include_usage, field_name)
+                    events = self._events(generations, firsts, fmt, req.include_usage, field_name,
+                                          lambda last: _record(metrics, last, started))
                     streaming = True
                     return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                                         "X-Request-Id": request_id})
-                text, last = await _unless_disconnected(request, self._collect(generation, first))
+                                                         **headers})
+                results = await _unless_disconnected(request, asyncio.gather(
+                    *(self._collect(g, first) for g, first in zip(generations, firsts))))
             finally:
                 if not streaming:
-                    await generation.close()
-            usage = Usage.of(last.prompt_tokens, last.completion_tokens)
-            body = fmt.full(text, last.finish_reason, usage).model_dump_json()
-            return Response(body, media_type="application/json", headers={"X-Request-Id": request_id})
+                    await _close_all(generations)
+            for *_, last in results:
+                _record(metrics, last, started)
+            choices = [fmt.choice(index, text, last.finish_reason, items)
+                       for index, (text, items, last) in enumerate(results)]
+            usage = Usage.of(sum(last.prompt_tokens for *_, last in results),
+                             sum(last.completion_tokens for *_, last in results))
+            body = fmt.full(choices, usage).model_dump_json()
+            return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
             logger.info("client disconnected; request %s aborted", request_id)
             return Response(status_code=499)
         except Exception as exc:
             return _api_error(exc, request_id, field_name).response()
 
+    async def tokenize(self, request: Request, detokenize: bool) -> Response:
+        """vLLM's /tokenize and /detokenize, so clients count and cut tokens as the engine does."""
+        try:
+            kind = DetokenizeRequest if detokenize else TokenizeRequest
+            try:
+                req = kind.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            info = await self.model_info()
+            if req.model is not None and req.model != info.model_id:
+                raise _model_not_found(req.model, info)
+            if detokenize:
+                body = DetokenizeResponse(prompt=await self.backend.detokenize(req.tokens))
+            else:
+                if (req.prompt is None) == (req.messages is None):
+                    raise APIError(400, "give exactly one of prompt (a string) and messages", param="prompt")
+                messages = None if req.messages is None else [m.to_dict() for m in req.messages]
+                tokens = await self.backend.tokenize(req.prompt, messages)
+                body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=info.max_model_len)
+            return Response(body.model_dump_json(), media_type="application/json")
+        except Exception as exc:
+            return _api_error(exc).response()
+
     @staticmethod
-    async def _collect(generation: _Generation, delta: GenerateDelta) -> tuple[str, GenerateDelta]:
-        pieces = [delta.text]
+    async def _collect(generation: _Generation, delta: GenerateDelta
+                       ) -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
+        text, items = _piece(delta)
+        pieces = [text]
         while not delta.finished:
             delta = _check(await generation.next())
             pieces.append(delta.text)
-        return "".join(pieces), delta
+            if delta.logprobs is not None:
+                items = (items or []) + delta.logprobs
+        return "".join(pieces), items, delta
 
     @staticmethod
-    async def _events(generation: _Generation, delta: GenerateDelta, fmt: _CompletionFormat,
-                      include_usage: bool, field_name) -> AsyncIterator[str]:
+    async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
+                      include_usage: bool, field_name, on_finished) -> AsyncIterator[str]:
         error = None
         try:
-            for chunk in fmt.start():
-                yield _sse(chunk)
-            while True:
-                if delta.text:
-                    for chunk in _listed(fmt.text(delta.text)):
+            for index in range(len(generations)):
+                for chunk in fmt.start(index):
+                    yield _sse(chunk)
+            lasts: dict[int, GenerateDelta] = {}
+            async for index, delta in _merged(generations, firsts):
+                text, items = _piece(delta)
+                if text or items:
+                    for chunk in _listed(fmt.text(index, text, items)):
                         yield _sse(chunk)
                 if delta.finished:
-                    break
-                delta = _check(await generation.next())
-            for chunk in _listed(fmt.finish(delta.finish_reason)):
-                yield _sse(chunk)
+                    lasts[index] = delta
+                    on_finished(delta)
+                    for chunk in _listed(fmt.finish(index, delta.finish_reason)):
+                        yield _sse(chunk)
             if include_usage:
-                yield _sse(fmt.usage(Usage.of(delta.prompt_tokens, delta.completion_tokens)))
+                yield _sse(fmt.usage(Usage.of(sum(d.prompt_tokens for d in lasts.values()),
+                                              sum(d.completion_tokens for d in lasts.values()))))
         except Exception as exc:
-            error = _api_error(exc, generation.request_id, field_name)
-        finally:  # also on cancellation or close(): aborts the request unless it finished
-            await generation.close()
+            error = _api_error(exc, generations[0].request_id, field_name)
+        finally:  # also on cancellation or close(): aborts the requests unless they finished
+            await _close_all(generations)
         if error is not None:
             yield _sse(error.body())
         yield _sse("[DONE]")
+
+
+async def _close_all(generations: list[_Generation]) -> None:
+    """One after another: each close() shields itself at once, which tasks started inside a
+    cancelled scope (asyncio.gather) would not get to do."""
+    for generation in generations:
+        await generation.close()
+
+
+async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -> GenerateDelta:
+    delta = _check(await generation.next())
+    metrics.first_token(time.monotonic() - started)
+    return delta
+
+
+def _record(metrics: ApiMetrics, last: GenerateDelta, started: float) -> None:
+    metrics.finished(last.prompt_tokens, last.completion_tokens, last.finish_reason, time.monotonic() - started)
+
+
+async def _merged(generations: list[_Generation], firsts: list[GenerateDelta]
+                  ) -> AsyncIterator[tuple[int, GenerateDelta]]:
+    """(choice index, delta) of several streams as they come; the first deltas first. One
+    stream's error ends the whole merge (the caller closes, and so aborts, the others)."""
+    for index, first in enumerate(firsts):
+        yield index, first
+    pending = {index for index, first in enumerate(firsts) if not first.finished}
+    if len(pending) == 1:  # the common case: no tasks
+        index = pending.pop()
+        delta = firsts[index]
+        while not delta.finished:
+            delta = _check(await generations[index].next())
+            yield index, delta
+        return
+    tasks = {asyncio.ensure_future(generations[i].next()): i for i in pending}
+    try:
+        while tasks:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = tasks.pop(task)
+                delta = _check(task.result())
+                yield index, delta
+                if not delta.finished:
+                    tasks[asyncio.ensure_future(generations[index].next())] = index
+    finally:
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)
+
+
+def system_fingerprint(info: ModelInfo) -> str:
+    """OpenAI's system_fingerprint: changes when what produces the tokens changes (Ponytail's version,
+    the model, its context and block size, the device kind), so clients can tell runs apart."""
+    device = info.device.split(":")[0]
+    key = f"{ponytail.__version__}|{info.model_id}|{info.max_model_len}|{info.block_size}|{device}"
+    return "fp_" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -378,16 +567,41 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error; the server log has the details").response()
 
 
-def build_app(backend: Backend) -> FastAPI:
-    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide)."""
-    server = _OpenAIServer(backend)
+def build_app(backend: Backend, limits: RequestLimits | None = None, policy: AccessPolicy | None = None,
+              request_id_header: bool = True) -> FastAPI:
+    """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide),
+    with the request limits and the HTTP gate (API key, JSON only, body size, CORS) given.
+
+    request_id_header: answer with an X-Request-Id header (the request's x-request-id if it had
+    one, else its id). False behind Ray Serve: its proxy adds that header itself, from the same
+    incoming x-request-id (or its own id, which then reaches this app as x-request-id)."""
+    limits = limits or RequestLimits()
+    policy = policy or AccessPolicy(max_body_bytes=limits.max_body_bytes)
+    server = _OpenAIServer(backend, limits, request_id_header)
     app = FastAPI(title="Ponytail OpenAI-compatible API")
+    install(app, policy)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return await server.metrics_text()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": ponytail.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await server.tokenize(request, detokenize=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await server.tokenize(request, detokenize=True)
 
     @app.get("/v1/models")
     async def models() -> Response:

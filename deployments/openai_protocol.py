@@ -19,9 +19,13 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, WrapValidator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, WrapValidator,
+                      field_validator)
 from pydantic_core import PydanticCustomError
 
+from ponytail import ConfigError
+
+from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -51,12 +55,6 @@ def _one_error(message: str, check=None):
     return WrapValidator(validate)
 
 
-def _not_batch(value: object) -> None:
-    if isinstance(value, list) and any(isinstance(item, (str, list)) for item in value):
-        raise PydanticCustomError("not_supported", "a list of prompts (batch) is not supported yet; "
-                                  "send one request per prompt")
-
-
 def _unsupported(ok, what: str):
     """Accept the field only with values that change nothing (the engine cannot honour others yet)."""
     def validate(value):
@@ -66,7 +64,8 @@ def _unsupported(ok, what: str):
     return AfterValidator(validate)
 
 
-Prompt = Annotated[str | list[int], _one_error("must be a string or a list of token ids (integers)", _not_batch)]
+Prompt = Annotated[str | list[int] | list[str] | list[list[int]], _one_error(
+    "must be a string, a list of token ids (integers), or a list of strings or of token-id lists")]
 Stop = Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")]
 Unsupported = Any  # fields declared only to refuse values the engine cannot honour
 
@@ -84,10 +83,11 @@ class _SamplingRequest(_Request):
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # OpenAI's ranges (SamplingParams alone would take any temperature >= 0)
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
     stop: Stop = None
     n: int | None = None  # only 1 (SamplingParams says so)
@@ -102,7 +102,14 @@ class _SamplingRequest(_Request):
     ignore_eos: bool | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
-    logit_bias: Annotated[Unsupported, _unsupported(lambda v: v == {}, "logit_bias")] = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value, info: ValidationInfo):
+        if value is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("not_supported", "stream_options is only allowed with stream=true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -111,8 +118,8 @@ class _SamplingRequest(_Request):
 
 class CompletionRequest(_SamplingRequest):
     prompt: Prompt
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "logprobs")] = None
-    echo: Annotated[Unsupported, _unsupported(lambda v: v is False, "echo=true")] = None
+    logprobs: int | None = None  # logprobs of each token and of this many most likely ones (0-20)
+    echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
     best_of: Annotated[Unsupported, _unsupported(lambda v: v == 1, "best_of > 1")] = None
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
 
@@ -134,12 +141,23 @@ class ToolCall(_Request):
 
 
 class ChatMessageParam(_Request):
-    role: str  # system, developer, user, assistant, tool: the chat template decides what it accepts
-    content: Annotated[str | list[TextPart] | None, _one_error(
-        "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = None
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a role "tool" message: the call it answers
     name: str | None = None
+    # after role and tool_calls, so its check sees them: null only in an assistant message that calls tools
+    content: Annotated[str | list[TextPart] | None, _one_error(
+        "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = Field(
+        default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("type_error", "must be a string or a list of text parts (type 'text'); "
+                                      "images, audio and null are not supported (null only in an assistant "
+                                      "message with tool_calls)")
+        return content
 
     def to_dict(self) -> dict[str, Any]:
         content = self.content
@@ -194,8 +212,8 @@ ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, _o
 class ChatCompletionRequest(_SamplingRequest):
     messages: Annotated[list[ChatMessageParam], Field(min_length=1)]
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
-    logprobs: Annotated[Unsupported, _unsupported(lambda v: v is False, "logprobs=true")] = None
-    top_logprobs: Annotated[Unsupported, _unsupported(lambda v: False, "top_logprobs")] = None
+    logprobs: bool | None = None  # each output token's logprob
+    top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position (0-20)
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None  # None: 'auto' when tools are given (refused: deployments/tools.py)
     parallel_tool_calls: bool | None = None
@@ -216,20 +234,73 @@ class ChatCompletionRequest(_SamplingRequest):
         if sampling_name == "structured_outputs":  # set by deployments/tools.py from one of these
             forced = self.tools and self.tool_choice not in (None, "none", "auto")
             return "tools" if forced else "response_format"
-        return sampling_name
+        if sampling_name == "logprobs":
+            return "top_logprobs"
+        return "messages" if sampling_name == "prompt" else sampling_name
+
+
+def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,
+                         base_id: str | None = None) -> list[GenerateRequest]:
+    """One engine request per prompt of a completions request (a string, token ids, or a list of
+    either), one for a chat request. Ids: `<prefix>-<base_id>` (base_id: the client's x-request-id,
+    else a random hex), with `-<index>` appended when there are several prompts."""
+    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
+    request_id = f"{prefix}-{base_id}" if base_id else new_request_id(prefix)
+    prompts = [None] if isinstance(req, ChatCompletionRequest) else _prompts(req.prompt)
+    if len(prompts) == 1:  # a list of one prompt ([[ids]], what lm-eval sends) is that prompt
+        single = req if prompts[0] is None or prompts[0] is req.prompt else req.model_copy(update={"prompt": prompts[0]})
+        return [to_generate_request(single, request_id)]
+    return [to_generate_request(req.model_copy(update={"prompt": prompt}), f"{request_id}-{index}")
+            for index, prompt in enumerate(prompts)]
+
+
+def _prompts(prompt: str | list) -> list:
+    """A completions prompt as a list of single prompts (strings or token-id lists)."""
+    if isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt)):
+        return [prompt]
+    if not prompt:
+        raise ConfigError("prompt=[] is empty; allowed: a string, a list of token ids, or a non-empty list of either")
+    return list(prompt)
 
 
 def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                         request_id: str | None = None) -> GenerateRequest:
     """The engine request for an OpenAI request; `sampling` holds ponytail.SamplingParams fields."""
     sampling = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    if req.logit_bias:
+        sampling["logit_bias"] = _token_keys(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        sampling.update(chat_logprob_fields(req))
         return GenerateRequest(messages=[m.to_dict() for m in req.messages], sampling=sampling,
                                request_id=request_id or new_request_id("chatcmpl"))
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
-    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"))
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+        if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
+            sampling["prompt_logprobs"] = req.logprobs
+    return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
+                           echo=bool(req.echo))
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise ConfigError(f"logit_bias={bias!r:.80} is invalid; allowed: token ids (integers) as keys, "
+                          "biases in [-100, 100] as values") from None
+
+
+def chat_logprob_fields(req: ChatCompletionRequest) -> dict[str, int]:
+    """SamplingParams.logprobs from chat's logprobs/top_logprobs (OpenAI: top_logprobs needs logprobs)."""
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ConfigError(f"top_logprobs={req.top_logprobs} needs logprobs=true; allowed: top_logprobs "
+                          "only together with logprobs=true")
+    if not req.logprobs:
+        return {}
+    return {"logprobs": 0 if req.top_logprobs is None else req.top_logprobs}
 
 
 # ------------------------------------------------------------------------------ responses
@@ -251,7 +322,7 @@ class Usage(BaseModel):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
 
 
@@ -260,6 +331,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[CompletionChoice]
     usage: Usage | None = _omit_if_none()
 
@@ -277,7 +349,7 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -286,6 +358,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"] = "chat.completion"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
 
@@ -311,7 +384,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -320,6 +393,7 @@ class ChatCompletionChunk(BaseModel):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
     model: str
+    system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = _omit_if_none()
 
@@ -330,6 +404,7 @@ class Model(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "ponytail"
     max_model_len: int | None = None  # vLLM's extra
+    root: str | None = None  # vLLM's: where the tokenizer loads from (a path or hub id)
 
 
 class ModelList(BaseModel):
@@ -346,3 +421,26 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class TokenizeRequest(_Request):
+    """vLLM's /tokenize body: a completions prompt or chat messages."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str

@@ -19,6 +19,7 @@ class GenerateRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     request_id: str | None = None
+    echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""
@@ -27,6 +28,16 @@ class GenerateRequest:
         text = self.prompt if isinstance(self.prompt, str) else " ".join(
             str(m.get("content", "")) for m in (self.messages or []))
         return len(text) // 3 + 16  # ~3 characters per token, plus template overhead
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One token's logprob and the most likely alternatives, with their text (the replica decodes)."""
+
+    token_id: int
+    token: str  # the token decoded on its own
+    logprob: float | None  # None only for a prompt's first token, which nothing predicts
+    top: list[tuple[int, str, float]]  # (token id, text, logprob), most likely first; as many as asked
 
 
 @dataclass(slots=True)
@@ -39,6 +50,9 @@ class GenerateDelta:
     prompt_tokens: int
     completion_tokens: int  # so far
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
+    prompt_text: str | None = None  # echo: the prompt as text, in the first delta only
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: first delta only
 
 
 @dataclass(slots=True)
@@ -48,6 +62,7 @@ class ModelInfo:
     block_size: int
     device: str
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
+    root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
 
 
 @dataclass(slots=True)
@@ -70,3 +85,7 @@ STAT_NUM_RUNNING = "num_running"
 STAT_NUM_WAITING = "num_waiting"
 STAT_BLOCK_SIZE = "block_size"
 STAT_TIME = "time"  # time.time() on the replica when the stats were read
+# The prefix cache, for the prefix-aware router (deployments/prefix_publisher.py writes them).
+STAT_PREFIX_SEQ = "prefix_seq"  # sequence number of the newest prefix-cache event (0: none yet)
+STAT_PREFIX_EVENTS = "prefix_events"  # [(block hash, stored)] ending at prefix_seq, oldest first
+STAT_CACHED_BLOCKS = "cached_blocks"  # of free_blocks, those holding cached prefixes (evicted when taken)

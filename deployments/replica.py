@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
@@ -12,7 +13,10 @@ from ray import serve
 import ponytail
 from ponytail import SamplingParams
 
+from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
+from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
+from .prompts import prompt_token_ids
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
@@ -23,47 +27,110 @@ class EngineReplica:
     """Serve deployment body (see app.py): generate, abort, model_info, record_routing_stats."""
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
-                 max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = 16,
-                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0):
+                 max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
+                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0,
+                 gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None):
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model)
+                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
+                                gpu_memory_utilization=gpu_memory_utilization)
         # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
         # that sends them shares the GIL with the engine's step thread.
-        self.engine = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
+        self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
         self.tokenizer = self.llm.tokenizer
-        config = self.llm.engine.cache.config
+        self.token_texts = TokenTexts(self.tokenizer)
         self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),
-                              max_model_len=self.llm.engine.scheduler.max_model_len, block_size=config.block_size,
-                              device=str(config.device), device_uuid=_device_uuid(config.device))
+                              max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
+                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device),
+                              root=str(model) if model else getattr(self.tokenizer, "name_or_path", None) or None)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
+        context_len = self.info.max_model_len
+        self.max_prompt_tokens = context_len if max_prompt_tokens is None else min(max_prompt_tokens, context_len)
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
+        self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
-        prompt = request.prompt
-        if request.messages is not None:
-            prompt = self.tokenizer.apply_chat_template(request.messages, tools=request.tools,
-                                                        add_generation_prompt=True, tokenize=True,
-                                                        return_dict=False)
-            if hasattr(prompt, "input_ids") or isinstance(prompt, dict):
-                prompt = list(prompt["input_ids"])
+        # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
+        # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
+        self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
+        prompt = await asyncio.to_thread(self._prompt_token_ids, request)
+        if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
+                f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
         prompt_tokens = None
-        async for delta in self.engine.generate(prompt, params, request.request_id):
+        sent = 0  # output tokens whose logprobs went out
+        async for delta in self.async_llm.generate(prompt, params, request.request_id):
             output = delta.output
+            out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
+                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
+                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
+                                error=output.error)
             if prompt_tokens is None:
-                prompt_tokens = len(output.prompt_token_ids)
+                prompt_tokens = out.prompt_tokens
+                if request.echo:
+                    self._add_prompt(out, output, params)
+            if params.logprobs is not None and output.outputs[0].logprobs is not None:
+                entries = output.outputs[0].logprobs[sent : sent + len(delta.new_token_ids)]
+                out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
+                sent += len(entries)
             if delta.finished:
                 self.metrics.on_finished(output)
-            yield GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
-                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
-                                prompt_tokens=prompt_tokens, completion_tokens=len(output.token_ids),
-                                error=output.error)
+            yield out
+
+    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
+        """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
+        ids = output.prompt_token_ids
+        out.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
+        if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
+                                                 params.prompt_logprobs)
+
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        """The token ids the engine would compute for a completions prompt or chat messages (in a
+        worker thread, as generate's: a huge prompt must not stall other streams)."""
+        request = GenerateRequest(prompt=prompt, messages=messages)
+        return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        vocab = self.llm.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ponytail.ConfigError(f"tokens={bad[:5]} are outside the vocabulary; allowed: ids in [0, {vocab})")
+        return self.tokenizer.decode(token_ids)
+
+
+    def _refuse_certainly_too_long(self, request: GenerateRequest, params: SamplingParams) -> None:
+        """No token covers more than max_token_bytes bytes of text, so a text of more bytes than
+        max_prompt_tokens x max_token_bytes is too long whatever it tokenizes to."""
+        if self.max_token_bytes is None:
+            return
+        if request.messages is not None:
+            size = sum(len(str(m.get("content") or "").encode()) for m in request.messages)
+        elif isinstance(request.prompt, str):
+            size = len(request.prompt.encode())
+        else:
+            return
+        least = size // self.max_token_bytes
+        if least > self.max_prompt_tokens:
+            raise ponytail.ContextLengthError(
+                f"prompt has at least {least} tokens ({size} bytes of text, at most {self.max_token_bytes} per "
+                f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
+                least, params.max_tokens, self.max_prompt_tokens)
+
+    def _prompt_token_ids(self, request: GenerateRequest) -> str | list[int]:
+        """The request's prompt as token ids (as the engine would tokenize it), or as given
+        when it is already ids or the engine has no tokenizer."""
+        if self.tokenizer is None or (isinstance(request.prompt, str) and not request.prompt):
+            return request.prompt
+        return prompt_token_ids(self.tokenizer, request)  # what the prefix router hashes too
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.abort(request_id)
+        return await self.async_llm.abort(request_id)
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -71,50 +138,35 @@ class EngineReplica:
     def record_routing_stats(self) -> dict:
         """Read by the KV-block router every stats period: cheap, no waiting on the engine step.
 
-        free_blocks is what a new request can count on: blocks free now (evictable prefix blocks
-        included) plus what the pool may still grow by, less what the requests already here will
-        still take until they reach max_tokens (TGI reserves the same way). A router that sends
-        only where this covers a request never makes the replica preempt.
+        free_blocks is what a new request can count on: the engine's admissible blocks (free now,
+        evictable prefix blocks included, plus what the pool may still grow by) less those it has
+        promised to the requests already here until they reach max_tokens (TGI reserves the same
+        way). A router that sends only where this covers a request never makes the replica preempt.
         """
-        stats = self.llm.engine.stats()  # plain counters: no engine lock, no wait on a running step
+        stats = self.llm.stats()  # plain counters: no engine lock, no wait on a running step
         self.metrics.on_stats(stats)
-        self.metrics.on_engine_loop(self.engine.num_steps, self.engine.step_seconds)
-        free = stats.free_blocks + self._growable_blocks() - self._blocks_promised()
-        return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: self._max_blocks(),
+        self.metrics.on_engine_loop(self.async_llm.num_steps, self.async_llm.step_seconds)
+        free = stats.admissible_blocks - stats.promised_blocks
+        return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: stats.max_blocks,
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
-                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time()}
+                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(), **self.prefix.routing_stats(stats.cached_blocks)}
 
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""
         return ReplicaReport(replica=ray.get_runtime_context().get_actor_name() or "local", info=self.info,
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
-                             stats=self.llm.stats(), num_steps=self.engine.num_steps,
-                             step_seconds=self.engine.step_seconds)
+                             stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
+                             step_seconds=self.async_llm.step_seconds)
 
-    def _blocks_promised(self) -> int:
-        """Blocks queued and running requests will still take to reach prompt + max_tokens.
 
-        A running request holds blocks for its tokens so far; a waiting one (new or preempted)
-        holds none. Snapshots of the engine's lists: its thread may change them meanwhile, and a
-        request counted twice or missed in one report is corrected by the next.
-        """
-        block_size = self.info.block_size
-        scheduler = self.llm.engine.scheduler
-        promised = 0
-        for requests, running in ((list(scheduler.waiting), False), (list(scheduler.running), True)):
-            for r in requests:
-                need = -(-(len(r.prompt_token_ids) + r.params.max_tokens) // block_size)
-                held = -(-r.num_tokens // block_size) if running else 0
-                promised += max(0, need - held)
-        return promised
-
-    def _growable_blocks(self) -> int:
-        cache = self.llm.engine.cache
-        return (cache.max_chunks - cache.num_chunks) * cache.storage.chunk_blocks
-
-    def _max_blocks(self) -> int:
-        cache = self.llm.engine.cache
-        return cache.max_chunks * cache.storage.chunk_blocks
+def _max_token_bytes(tokenizer) -> int | None:
+    """An upper bound on the bytes of text one token stands for: twice the longest token string in
+    UTF-8 (byte-level and SentencePiece token strings spell each text byte with at least one byte;
+    the factor 2 covers normalizers that shorten text). None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return 2 * max(len(t.encode()) for t in tokens if t)
 
 
 def _in_serve() -> bool:

@@ -17,10 +17,12 @@ from typing import Any, Callable
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from ponytail import DEFAULT_BLOCK_SIZE, SamplingParams, is_seconds
+
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateRequest)
 
-DEFAULT_MAX_TOKENS = 16  # ponytail.SamplingParams' default, used when the request leaves it out
+DEFAULT_MAX_TOKENS = SamplingParams().max_tokens  # used when the request leaves it out, as the replica does
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,6 +137,14 @@ class Ledger:
 
 
 @dataclass(slots=True, frozen=True)
+class Placement:
+    """What a request would cost on one replica, for the ranking."""
+
+    need: int  # blocks it takes there; the replica fits it when its effective free blocks cover this
+    affinity: float = 0.0  # taken off the replica's score (lower ranks first): what it saves there
+
+
+@dataclass(slots=True, frozen=True)
 class Reservation:
     """Blocks reserved on a replica when it was chosen for a request, before the replica accepted it."""
 
@@ -220,7 +230,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """How often a held request looks again: completions seen here free blocks at once, reports
     arrive every stats period."""
 
-    FALLBACK_BLOCK_SIZE = 16
+    FALLBACK_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
     """Converts a send to blocks before the replica has ever reported its block size."""
 
     _HELD_SINCE = "ponytail_held_since"  # attribute set on a held request's routing_context
@@ -271,13 +281,14 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
                 unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
                 continue
             free = report.free_blocks - ledger.unreported_blocks
-            need = blocks_needed(tokens, report.block_size)
+            placement = self._placement(replica, report, free, tokens, pending_request)
+            need = placement.need
             could_ever_fit |= report.total_blocks <= 0 or need <= report.total_blocks
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
                 load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
                 used = 1 - free / report.total_blocks if report.total_blocks > 0 else 0.0
-                fits.append((used, load, free, replica))
+                fits.append((used - placement.affinity, load, free, replica))
             else:
                 short.append(((need - free, report.load, random.random()), replica))
         if not fits and not unknown and could_ever_fit and self._hold(pending_request, now):
@@ -362,10 +373,20 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         report = read_report(replica.routing_stats) if replica is not None else None
         if report is not None:
             ledger.observe(report)
-        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
-        entry = ledger.reserve(now, blocks_needed(request_tokens(pending_request), block_size))
+        entry = ledger.reserve(now, self._reserved_blocks(pending_request, replica_id, report))
         reservation = self._reservations[id(pending_request)] = Reservation(pending_request, replica_id, entry)
         return reservation
+
+    def _placement(self, replica: RunningReplica, report: Report, free: int, tokens: int | None,
+                   pending_request: PendingRequest | None) -> Placement:
+        """The blocks the request takes on a replica with a fresh report, and what its score loses
+        (subclasses that know more than the request's size: prefix_router.py)."""
+        return Placement(need=blocks_needed(tokens, report.block_size))
+
+    def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
+        """Blocks the ledger takes off the replica the request was chosen for."""
+        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
+        return blocks_needed(request_tokens(pending_request), block_size)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ledger = self._ledgers.get(replica_id)
@@ -394,8 +415,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
 
 def _seconds(name: str, value: Any, allow_zero: bool) -> float:
     """A request_router_kwargs duration, checked."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not (number and (value >= 0 if allow_zero else value > 0)):
+    if not is_seconds(value) or (value == 0 and not allow_zero):
         raise ValueError(f"request_router_kwargs {name}={value!r}; expected seconds "
                          f"{'>= 0' if allow_zero else '> 0'}")
     return float(value)

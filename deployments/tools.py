@@ -29,8 +29,7 @@ from pydantic import BaseModel
 
 from ponytail import ConfigError
 
-from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk,
-                              ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
+from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
                               ToolCall, ToolCallDelta, Usage)
 from .protocol import GenerateRequest
 
@@ -151,8 +150,9 @@ def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
 
 
 class ToolCallFormat:
-    """Chat responses whose answer is tool calls; same methods as openai_api's _ChatFormat, whose
-    `common` fields (id, created, model) it reuses. text() and finish() return lists of chunks."""
+    """Chat responses whose answer is tool calls; same methods as openai_api's _ChatFormat (a chat
+    request has one choice, index 0), whose chunks (id, created, model, system_fingerprint) it
+    reuses. start(), text() and finish() return lists of chunks."""
 
     def __init__(self, chat_format, plan: ToolPlan):
         self.common = chat_format.common
@@ -161,45 +161,49 @@ class ToolCallFormat:
         self.pieces: list[str] = []  # the output so far
         self.call_id = _call_id()
 
-    def _chunk(self, delta: ChatDelta, finish_reason: str | None = None) -> BaseModel:
-        return ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                                   **self.common)
+    def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None = None, items=None) -> BaseModel:
+        return self.chat_format._delta(index, delta, finish_reason, items)
 
-    def start(self) -> list[BaseModel]:
-        chunks = self.chat_format.start()
+    def start(self, index: int) -> list[BaseModel]:
+        chunks = self.chat_format.start(index)
         if self.plan.name is not None:  # one call: its name now, its arguments as they come
-            chunks.append(self._chunk(ChatDelta(tool_calls=[ToolCallDelta(
+            chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
                 index=0, id=self.call_id, type="function",
                 function=FunctionCallDelta(name=self.plan.name, arguments=""))])))
         return chunks
 
-    def text(self, text: str) -> list[BaseModel]:
+    def text(self, index: int, text: str, items=None) -> list[BaseModel]:
         self.pieces.append(text)
         if self.plan.name is None:  # a list of calls: sent once it is complete
             return []
-        return [self._chunk(ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(arguments=text))]))]
+        return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
+            arguments=text))]), items=items)]
 
-    def finish(self, finish_reason: str | None) -> list[BaseModel]:
+    def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
         text = "".join(self.pieces)
         calls = parse_calls(self.plan, text)
         if self.plan.name is not None:
-            return [self._chunk(ChatDelta(), "tool_calls" if calls is not None else finish_reason)]
+            return [self._chunk(index, ChatDelta(), "tool_calls" if calls is not None else finish_reason)]
         if calls is None:  # cut short: what was generated, as text
-            return [self._chunk(ChatDelta(content=text)), self._chunk(ChatDelta(), finish_reason)]
-        deltas = [self._chunk(ChatDelta(tool_calls=[ToolCallDelta(
+            return [self._chunk(index, ChatDelta(content=text)), self._chunk(index, ChatDelta(), finish_reason)]
+        deltas = [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
             index=i, id=call.id, type="function",
             function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))]))
             for i, call in enumerate(calls)]
-        return deltas + [self._chunk(ChatDelta(), "tool_calls")]
+        return deltas + [self._chunk(index, ChatDelta(), "tool_calls")]
 
     def usage(self, usage: Usage) -> BaseModel:
         return self.chat_format.usage(usage)
 
-    def full(self, text: str, finish_reason: str | None, usage: Usage) -> BaseModel:
+    def choice(self, index: int, text: str, finish_reason: str | None, items=None) -> ChatChoice:
+        choice = self.chat_format.choice(index, text, finish_reason, items)
         calls = parse_calls(self.plan, text)
-        if calls is not None and self.plan.name is not None:
+        if calls is None:
+            return choice
+        if self.plan.name is not None:
             calls[0].id = self.call_id
-        message = ChatMessage(content=None, tool_calls=calls) if calls is not None else ChatMessage(content=text)
-        return ChatCompletion(choices=[ChatChoice(message=message,
-                                                  finish_reason="tool_calls" if calls is not None else finish_reason)],
-                              usage=usage, **self.common)
+        return choice.model_copy(update={"message": ChatMessage(content=None, tool_calls=calls),
+                                         "finish_reason": "tool_calls"})
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return self.chat_format.full(choices, usage)

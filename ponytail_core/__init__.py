@@ -7,20 +7,22 @@ from .utils.compat import check_transformers
 
 check_transformers()
 
-from .kv.blocks import Allocation, NoRoom  # noqa: E402
-from .kv.config import CacheConfig  # noqa: E402
+from .kv.blocks import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
+from .kv.prefix_events import PrefixEvent, PrefixEventLog  # noqa: E402
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
-from .errors import ConfigError, KernelError, PonytailError  # noqa: E402
+from .errors import ConfigError, ContextLengthError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
 from .async_llm import AsyncLLM, RequestDelta  # noqa: E402
 from .plugin.cache import PonytailCache  # noqa: E402
 from .llm import LLM  # noqa: E402
-from .engine.llm_engine import EngineStats  # noqa: E402
-from .models.loader import load_model  # noqa: E402
+from .engine.stats import EngineStats  # noqa: E402
+from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
 from .sampling.structured import StructuredOutputsParams  # noqa: E402
+from .utils.units import is_seconds  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -37,6 +39,8 @@ __all__ = [
     "CacheConfig",
     "CacheStats",
     "ConfigError",
+    "DEFAULT_BLOCK_SIZE",
+    "ContextLengthError",
     "DefragResult",
     "KVEstimate",
     "KernelError",
@@ -44,7 +48,12 @@ __all__ = [
     "PagedKVCache",
     "PonytailCache",
     "PonytailError",
+    "PrefixEvent",
+    "PrefixEventLog",
     "create_cache",
     "estimate_kv_cache",
+    "is_seconds",
     "load_model",
+    "load_tokenizer",
+    "prefix_block_hashes",
 ]

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 
 from .errors import ConfigError
 from .llm import LLM
-from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.llm_engine import LLMEngine
+from .engine.stats import EngineStats
 from .engine.request import Request, RequestOutput
 from .sampling.params import SamplingParams
 from .utils.units import is_seconds

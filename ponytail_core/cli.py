@@ -1,4 +1,5 @@
-"""The `ponytail` command. One subcommand per job; `estimate` sizes a KV cache."""
+"""The `ponytail` command. One subcommand per job: `estimate` sizes a KV cache, `serve` serves a
+model (serve_command.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .bench.command import add_parser as add_bench_parser
 from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
+from .serve_command import add_serve_parser
 
 # --flag -> estimate_kv_cache argument, for the shape flags --model can stand in for.
 _SHAPE_FLAGS = {
@@ -63,6 +66,8 @@ def _build_parser() -> argparse.ArgumentParser:
                           "how many full-length sequences fit")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(run=_run_estimate)
+    add_serve_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 

@@ -8,18 +8,24 @@ from typing import Any
 
 import torch
 
-from .kv.config import CacheConfig
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
-from .engine.llm_engine import EngineStats, LLMEngine
+from .engine.llm_engine import LLMEngine
+from .engine.stats import EngineStats
 from .models.loader import load_model
 from .engine.request import RequestOutput
+from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
 from .utils.units import format_bytes, is_seconds, parse_bytes
+from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
 CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
 GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the model
+# A CPU step's time grows with its tokens: a long prompt in 256-token chunks keeps each step beside
+# running streams within a few decode steps' time (docs/engine.md), where 2048 stalled them for seconds.
+CPU_BATCHED_TOKENS = 256
 POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
 
 
@@ -34,11 +40,11 @@ class LLM:
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
-                 kv_cache_memory: int | str | None = None, block_size: int = 16, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
+                 kv_cache_memory: int | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                 max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool = False, async_scheduling: bool | None = None,
-                 kv_release_after_s: float = 30.0):
+                 kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None):
         if model is None or isinstance(model, str):
             model, tokenizer = load_model(model, device=device, dtype=dtype)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
@@ -47,7 +53,8 @@ class LLM:
         if max_model_len is None:
             max_model_len = int(getattr(text_config, "max_position_embeddings", 2048))
         if max_num_batched_tokens is None:
-            max_num_batched_tokens = max(2048, max_num_seqs)
+            budget = CPU_BATCHED_TOKENS if device.type == "cpu" else 2048
+            max_num_batched_tokens = max(budget, max_num_seqs)
         if max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
                               f"{max_num_seqs} so every running sequence can decode each step")
@@ -63,16 +70,18 @@ class LLM:
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
-        memory = self._kv_memory(kv_cache_memory, device)
+        memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
-        config = dataclasses.replace(config, chunk_blocks=max(1, -(-config.max_num_blocks // POOL_CHUNKS)))
+        config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
+        # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
+        headroom = (_step_headroom(text_config, max_num_batched_tokens, max_num_seqs, config.dtype_size)
+                    if device.type == "cuda" else 0)
         self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                async_scheduling=async_scheduling)
-        self.engine.cache.allocator.enable_prefix_caching = enable_prefix_caching
-        self.engine.cache.release_after_s = float(kv_release_after_s)
+                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
+                                kv_release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 
@@ -80,8 +89,40 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest prompt + max_tokens a request may have."""
+        return self.engine.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV block."""
+        return self.engine.cache.config.block_size
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model and its KV cache live."""
+        return self.engine.cache.config.device
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids this engine accepts: 0 .. vocab_size - 1."""
+        return self.engine.vocab_size
+
+    def publish_prefix_events(self, capacity: int) -> PrefixEventLog:
+        """Start recording which prefix blocks the cache stores and drops (for a prefix-aware router);
+        the log keeps the newest `capacity` events. Until called, nothing is recorded."""
+        log = PrefixEventLog(capacity)
+        self.engine.cache.record_prefix_events(log)
+        return log
+
     @staticmethod
-    def _kv_memory(kv_cache_memory, device: torch.device) -> int:
+    def _kv_memory(kv_cache_memory, device: torch.device, gpu_memory_utilization: float | None = None) -> int:
+        if gpu_memory_utilization is not None:
+            if kv_cache_memory is not None:
+                raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} and gpu_memory_utilization="
+                                  f"{gpu_memory_utilization!r} were both given; allowed: one of them")
+            return _share_of_device(gpu_memory_utilization, device)
         if kv_cache_memory is not None:
             return parse_bytes(kv_cache_memory, "kv_cache_memory")
         if device.type == "cuda":
@@ -124,3 +165,38 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+
+
+STEP_HEADROOM_FIXED = 64 << 20  # cuBLAS workspaces, CUDA graph pools, sampling buffers
+
+
+def _step_headroom(text_config, max_num_batched_tokens: int, max_num_seqs: int, dtype_size: int) -> int:
+    """A generous estimate of one step's transient memory (the KV pool never grows into it): a
+    layer's activations for the full token budget (hidden states, attention, MLP) and fp32
+    logits for every sequence, plus a fixed part."""
+    hidden = int(getattr(text_config, "hidden_size", 4096))
+    intermediate = int(getattr(text_config, "intermediate_size", 4 * hidden))
+    vocab = int(getattr(text_config, "vocab_size", 32000))
+    activations = max_num_batched_tokens * (6 * hidden + 3 * intermediate) * dtype_size
+    return STEP_HEADROOM_FIXED + activations + max_num_seqs * vocab * 4
+
+
+def _share_of_device(share: float, device: torch.device) -> int:
+    """KV budget for gpu_memory_utilization (as vLLM's): this process may hold `share` of the
+    device's total memory; the KV pool gets that less what the process holds already (weights,
+    CUDA graphs' pools, torch's cache). Independent of what others hold now, so two replicas at
+    0.45 each fit one GPU whatever order they start in."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"gpu_memory_utilization={share!r} is not supported; allowed: a share of the "
+                          "device's total memory in (0, 1], e.g. 0.9 (or None: kv_cache_memory decides)")
+    if device.type != "cuda":
+        raise ConfigError(f"gpu_memory_utilization={share!r} needs a CUDA device; the model is on {device}: "
+                          "use kv_cache_memory")
+    _, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    budget = int(total * share) - held
+    if budget <= 0:
+        raise ConfigError(f"gpu_memory_utilization={share!r} allows {format_bytes(int(total * share))} of "
+                          f"{format_bytes(total)}, but this process already holds {format_bytes(held)} "
+                          "(the model): allowed: a larger share")
+    return budget

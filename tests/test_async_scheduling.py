@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import make_llm, plain_greedy, random_prompts, small_model  # noqa: F401 (fixture)
+from test_engine import make_llm, plain_greedy, random_prompts, small_model, walked_promised_blocks  # noqa: F401
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
@@ -193,10 +193,12 @@ def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_mo
     while engine.has_unfinished():
         for out in engine.step():
             assert -1 not in out.new_token_ids
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         steps += 1
         for request in rng.sample(requests, 3):
             if rng.random() < abort_rate and engine.abort(request.request_id):
                 aborted_at[request.request_id] = len(engine.output(request).token_ids)
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         for request in rng.sample(requests, 5):
             assert -1 not in engine.output(request).token_ids
         if steps % 10 == 0:

@@ -25,13 +25,17 @@ def test_bench_engine_small_runs_every_peer_and_agrees_with_plain_generate(tmp_p
     run_script("bench_engine.py", "--small", "--check-tokens", "8", "--capacity", "8MiB",
                "--capacity-max-len", "256", "--json", str(out))
     report = json.loads(out.read_text())
-    assert report["agreement"]["ponytail"]["near_ties"] == []  # fp32 on the CPU: identical at every step
-    assert report["agreement"]["ponytail"]["equal_steps"] == report["agreement"]["ponytail"]["of"] == 4 * 8
+    check = report["agreement"]["ponytail"]  # ponytail.bench.output_check, the check `ponytail bench` runs
+    assert check["passed"] and check["ponytail"]["near_ties"] == check["ponytail"]["wrong"] == []
+    assert check["ponytail"]["exact_steps"] == check["of"] == 4 * 8  # fp32 on the CPU: the reference's tokens
     peers = {r["peer"] for r in report["results"]}
     assert {"plain generate", "ponytail"} <= peers
     ours = next(r for r in report["results"] if r["peer"] == "ponytail")
     assert ours["tokens_per_s"] > 0 and ours["preemptions"] == 0
     assert report["capacity"]["used_blocks_after"] == 0 and report["capacity"]["peak_running"] > 0
+    chat = report["chat"]  # the seeded chat workload with long prompts: every step timed
+    assert chat["long_prompts"] == 2 and chat["output_tokens"] > 0 and chat["steps"] > 0
+    assert 0 < chat["step_p50"] <= chat["step_p99"] <= chat["step_max"]
 
 
 def test_bench_attention_small_checks_against_sdpa(tmp_path):
@@ -75,6 +79,35 @@ def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_router_small_chat_compares_three_routers_with_their_prefix_hit_rates(tmp_path):
+    out = tmp_path / "chat.json"
+    run_script("bench_router.py", "--small", "--workload", "chat", "--json", str(out))  # exit 1: a failure
+    report = json.loads(out.read_text())
+    assert set(report["pooled"]) == {"prefix", "kv_blocks", "power_of_two"}
+    chat = report["chat"]
+    for router, runs in report["runs"].items():
+        assert sum(runs[0]["replica_requests"]) == chat["sessions"] * chat["turns"]
+        # Later turns extend earlier ones and system prompts are shared: every router hits some.
+        assert 0 < runs[0]["prefix_hit_rate"] < 1, router
+        assert sum(runs[0]["replica_prefix_hits"]) <= sum(runs[0]["replica_prompt_tokens"])
+
+
+def test_chat_sessions_share_system_prompts_and_differ_in_their_turns():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from chat_workload import ChatShape, sessions
+    finally:
+        sys.path.pop(0)
+    shape = ChatShape(sessions=5, turns=3, system_prompts=2, system_words=50, user_words=10, max_tokens=8,
+                      session_gap_s=0.1, think_s=0.1)
+    chats = sessions(shape, seed=0)
+    assert [c.system for c in chats[:2]] * 2 + [chats[0].system] == [c.system for c in chats]
+    assert chats[0].system != chats[1].system and len(chats[0].system.split()) == 50 + 3
+    assert all(len(c.users) == 3 for c in chats) and len({u for c in chats for u in c.users}) == 15
+    assert sessions(shape, seed=0) == chats and sessions(shape, seed=1) != chats
+
+
+@pytest.mark.slow
 def test_probe_pool_release_small_runs_every_policy(tmp_path):
     out = tmp_path / "pool.json"
     run_script("probe_pool_release.py", "--small", "--json", str(out))
@@ -110,8 +143,9 @@ def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
     for args, message in ((["--routers", "kv_blocks,random"],
-                           "--routers: unknown ['random']; allowed: kv_blocks, power_of_two, kv_blocks_nohold, "
-                           "kv_blocks_per_token"),
+                           "--routers: unknown ['random']; allowed: kv_blocks, prefix, power_of_two, "
+                           "kv_blocks_nohold, kv_blocks_per_token"),
+                          (["--workload", "chat", "--sessions", "0"], "--sessions 0: expected 1 or more"),
                           (["--gaps", "1.0,soon"], "--gaps '1.0,soon': expected seconds >= 0, comma-separated")):
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_router.py"), "--small", *args],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)

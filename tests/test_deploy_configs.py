@@ -32,7 +32,7 @@ def test_app_args_are_checked():
         AppArgs(device="tpu")
     with pytest.raises(ValueError, match="min_replicas=3, max_replicas=2"):
         AppArgs(min_replicas=3, max_replicas=2)
-    with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, power_of_two"):
+    with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, prefix, power_of_two"):
         AppArgs(router="random")
     with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false"):
         AppArgs(compile_model="yes")
@@ -40,6 +40,31 @@ def test_app_args_are_checked():
         AppArgs(max_hold_s=-1)
     with pytest.raises(ValueError, match=r"stream_interval_s=5 is not supported; allowed: seconds from 0 to 1"):
         AppArgs(stream_interval_s=5)
+
+
+def test_app_args_are_typed_from_strings_and_refuse_unknown_names():
+    """`serve run deployments.app:build key=value` hands the builder strings."""
+    from deployments.app import AppArgs, build
+
+    settings = AppArgs.model_validate({"max_replicas": "3", "min_replicas": "2", "compile_model": "true",
+                                       "max_hold_s": "0.5", "max_model_len": "2048", "model_id": "old-name"})
+    assert (settings.min_replicas, settings.max_replicas, settings.max_hold_s) == (2, 3, 0.5)
+    assert settings.compile_model is True and settings.max_model_len == 2048
+    assert settings.served_name() == "old-name"  # app.yaml files written with model_id keep working
+    assert build({"max_replicas": "3", "device": "cpu"}) is not None
+    with pytest.raises(ValueError, match=r"max_replica\n  Extra inputs are not permitted"):
+        build({"max_replica": "3"})
+    with pytest.raises(ValueError, match=r"max_replicas\n  Input should be a valid integer.*input_value='two'"):
+        build({"max_replicas": "two"})
+
+
+def test_the_served_name_defaults_to_what_clients_can_load():
+    from deployments.app import AppArgs
+
+    assert AppArgs().served_name() == "SmolLM2-135M-Instruct"
+    assert AppArgs(model="HuggingFaceTB/SmolLM2-135M-Instruct").served_name() == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert AppArgs(model=str(ROOT / "deployments") + "/").served_name() == "deployments"  # a local directory
+    assert AppArgs(model="x/y", served_model_name="mine").served_name() == "mine"
 
 
 def test_router_arguments_reach_only_the_kv_block_router():
@@ -59,6 +84,7 @@ def test_engine_arguments_reach_the_replica_constructor():
     assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
     assert args["stream_interval_s"] == 0.02
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
+    assert args["model_id"] == "SmolLM2-135M-Instruct"
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
 
 

@@ -48,11 +48,28 @@ def random_prompts(n, seed=0, low=3, high=60, vocab=49152, shared_prefix=()):
 
 def make_llm(small_model, **kwargs):
     model, tokenizer = small_model
-    settings = dict(kv_cache_memory="4MiB", block_size=4, max_num_seqs=8, max_model_len=256)
+    # 2048 tokens a step, as on CUDA (the CPU default is 256): whole prompts per step unless a test
+    # asks for chunking, so the sync and async engines split prompts alike and agree bit for bit.
+    settings = dict(kv_cache_memory="4MiB", block_size=4, max_num_seqs=8, max_model_len=256,
+                    max_num_batched_tokens=2048)
     return ponytail.LLM(model, tokenizer=tokenizer, **{**settings, **kwargs})
 
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def walked_promised_blocks(engine) -> int:
+    """Blocks promised, by walking the scheduler's lists (what the Serve replica computed before
+    the engine kept the count): a waiting request still takes all of prompt + max_tokens, a
+    running one what its tokens so far do not fill."""
+    block_size = engine.cache.config.block_size
+    promised = 0
+    for requests, running in ((engine.scheduler.waiting, False), (engine.scheduler.running, True)):
+        for r in requests:
+            need = -(-(len(r.prompt_token_ids) + r.params.max_tokens) // block_size)
+            held = -(-r.num_tokens // block_size) if running else 0
+            promised += max(0, need - held)
+    return promised
 
 
 def test_greedy_batch_of_mixed_lengths_equals_plain_generate(small_model):
@@ -84,6 +101,25 @@ def test_a_small_budget_forces_preemption_and_defragmentation_without_changing_o
     assert stats.used_blocks == 0 and llm.engine.cache.invariants() == []
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_engine_counts_promised_blocks_through_preemption(small_model, async_scheduling):
+    # 64 blocks of 4 tokens; 8 sequences growing to ~70 tokens each need ~140: preemption is certain.
+    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    for prompt in random_prompts(8, seed=1, low=20, high=40):
+        engine.add_request(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    cache = engine.cache
+    while engine.has_unfinished():
+        engine.step()
+        stats = engine.stats()
+        assert stats.promised_blocks == walked_promised_blocks(engine)
+        growable = (cache.max_chunks - cache.num_chunks) * cache.storage.chunk_blocks
+        assert stats.admissible_blocks == cache.allocator.num_free + growable
+        assert stats.max_blocks == cache.max_chunks * cache.storage.chunk_blocks == 64
+    assert engine.stats().num_preemptions > 0 and engine.stats().promised_blocks == 0
+
+
 def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_model):
     llm = make_llm(small_model, max_num_seqs=16)
     engine = llm.engine
@@ -91,14 +127,18 @@ def test_hundreds_of_requests_with_random_aborts_leave_no_blocks_behind(small_mo
     prompts = random_prompts(300, seed=3, low=1, high=30)
     requests = [engine.add_request(p, SamplingParams(max_tokens=rng.randint(1, 12), temperature=0.8, seed=i))
                 for i, p in enumerate(prompts)]
+    assert engine.stats().promised_blocks == walked_promised_blocks(engine) > 0
     steps = 0
     while engine.has_unfinished():
         engine.step()
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         steps += 1
         for request in rng.sample(requests, 3):
             if rng.random() < 0.2:
                 engine.abort(request.request_id)
+        assert engine.stats().promised_blocks == walked_promised_blocks(engine)
         assert engine.cache.invariants() == [] if steps % 25 == 0 else True
+    assert engine.stats().promised_blocks == 0
     assert all(r.finished for r in requests)
     assert {r.finish_reason for r in requests} <= {"length", "stop", "abort"}
     assert any(r.finish_reason == "abort" for r in requests)
@@ -115,7 +155,7 @@ def test_prefix_reuse_hits_and_keeps_outputs(small_model, caplog):
         rest = llm.generate(prompts[1:], GREEDY)
     # The first prompt has no context: its own K/V; the others start after cached blocks: paged.
     assert "prefill without context: torch SDPA" in caplog.text
-    assert "paged_attention prefill: fallback" in caplog.text
+    assert "paged attention of an engine step: fallback (torch, unpadded" in caplog.text
     stats = llm.stats()
     assert stats.prefix_cache_hits >= 5 * 32 - 4  # every later prompt reuses the cached prefix blocks
     assert 0 < stats.prefix_hit_rate < 1
@@ -153,7 +193,9 @@ def test_stop_strings_stop_tokens_and_max_tokens(small_model):
 @pytest.mark.parametrize("prompt, params, message", [
     ("", None, "prompt='' is empty"),
     ([], None, "prompt must be a non-empty string or list of token ids"),
-    ([1, 99999999], None, r"prompt token ids \[99999999\] are outside the vocabulary \[0, 49152\)"),
+    ([1, 99999999], None, r"prompt=\[99999999\]: token ids outside the vocabulary; allowed: token ids in \[0, 49152\)"),
+    ([1, 2], SamplingParams(stop_token_ids=[10**12]),
+     r"stop_token_ids=\[1000000000000\] are outside the vocabulary: allowed: token ids in \[0, 49152\)"),
     ([1] * 250, SamplingParams(max_tokens=10), r"prompt \(250 tokens\) \+ max_tokens \(10\) = 260 exceeds max_model_len=256"),
     ([1, 2], {"max_tokens": 3}, "params must be a ponytail.SamplingParams, got dict"),
 ])
@@ -285,7 +327,7 @@ def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay
 
     grown, held, after = asyncio.run(main())
     assert grown > 1 and held == grown and after < grown
-    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.storage.chunk_blocks) == 0
+    assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.chunk_blocks) == 0
     assert cache.invariants() == []
 
 

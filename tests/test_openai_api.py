@@ -25,7 +25,7 @@ from deployments.openai_api import BackendUnavailable, build_app
 from deployments.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS,
                                          ChatCompletionRequest, CompletionRequest, to_generate_request)
 from deployments.protocol import GenerateDelta, ModelInfo
-from ponytail import ConfigError, SamplingParams
+from ponytail import ConfigError, ContextLengthError, SamplingParams
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 512
@@ -68,8 +68,9 @@ class FakeBackend:
             prompt_tokens = len(request.prompt) if isinstance(request.prompt, list) else len(request.prompt.split())
         need = prompt_tokens + params.max_tokens
         if need > MAX_MODEL_LEN:
-            raise ConfigError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
-                              f"exceeds max_model_len={MAX_MODEL_LEN}")
+            raise ContextLengthError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
+                                     f"exceeds max_model_len={MAX_MODEL_LEN}", prompt_tokens, params.max_tokens,
+                                     MAX_MODEL_LEN)
         if self.fail is not None and self.fail_at == "first":
             raise self.fail
         for i in range(params.max_tokens):
@@ -226,15 +227,22 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, "max_tokens", ["max_tokens", "integer", "'ten'"]),
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream", ["stream"]),
     ("/v1/completions", {"prompt": {"text": "hi"}}, "prompt", ["prompt", "token ids"]),
-    ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", ["prompt", "not supported yet"]),
+    ("/v1/completions", {"prompt": []}, "prompt", ["prompt=[] is empty"]),
+    ("/v1/completions", {"prompt": [[1, 2], "b"]}, "prompt", ["prompt", "list of strings or of token-id lists"]),
     ("/v1/completions", {"prompt": "hi", "stop": 5}, "stop", ["stop"]),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", ["logprobs", "not supported yet"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, "logprobs", ["logprobs=21", "[0, 20]"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs", ["logprobs", "integer"]),
+    ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs",
+     ["top_logprobs=21", "[0, 20]"]),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, "top_logprobs",
+     ["top_logprobs=2 needs logprobs=true"]),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content", ["messages[0].content", "images"]),
     # values SamplingParams refuses: its message, which names the field
     ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens", ["max_tokens=-1", ">= 1"]),
-    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature", ["temperature=-1"]),
-    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p=2"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature",
+     ["temperature: Input should be greater than or equal to 0 (got -1)"]),
+    ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p: Input should be less than or equal to 1 (got 2)"]),
     ("/v1/completions", {"prompt": "hi", "n": 2}, "n", ["n=2"]),
     ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, "max_completion_tokens",
      ["max_completion_tokens=0"]),
@@ -248,17 +256,28 @@ def test_bad_request_names_the_field(http, backend, path, body, param, in_messag
 def test_malformed_json(http, backend):
     r = http.post("/v1/completions", content=b'{"prompt": "hi",', headers={"content-type": "application/json"})
     assert_error(r, 400, None, "not valid JSON")
-    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]"), 400, "body", "object")
+    assert_error(http.post("/v1/chat/completions", content=b"[1, 2]", headers={"content-type": "application/json"}),
+                 400, "body", "object")
 
 
 def test_prompt_too_long_from_the_engine(http, client, backend):
-    """SamplingParams accepts a huge max_tokens; the engine refuses prompt + max_tokens > max_model_len."""
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9})
-    assert_error(r, 400, None, "max_tokens", "max_model_len")
-    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9, "stream": True})
-    assert_error(r, 400, None, "max_tokens", "max_model_len")
-    with pytest.raises(openai.BadRequestError, match="max_model_len"):
+    """A max_tokens over the context is refused by the ingress; prompt + max_tokens over it by the
+    engine (ContextLengthError): both with OpenAI's code and the field at fault."""
+    for stream in (False, True):
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 10**9, "stream": stream})
+        error = assert_error(r, 400, "max_tokens", "max_tokens=1000000000 is more than the model's context allows: "
+                             "at most 512 (max_model_len=512)")
+        assert error["code"] == "context_length_exceeded"
+    assert backend.requests == []
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as caught:
         client.chat.completions.create(model=MODEL, messages=CHAT["messages"], max_tokens=MAX_MODEL_LEN)
+    assert caught.value.body["param"] == "max_tokens" and caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="max_model_len") as caught:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a " * 600}])
+    assert caught.value.body["param"] == "messages" and caught.value.body["code"] == "context_length_exceeded"
+    r = http.post("/v1/completions", json={"prompt": "a " * 600, "max_tokens": 1})
+    error = assert_error(r, 400, "prompt", "prompt (600 tokens) + max_tokens (1) = 601 exceeds max_model_len=512")
+    assert error["code"] == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("wrap", [
@@ -341,3 +360,17 @@ def test_client_disconnect_while_waiting_aborts(server, backend):
         with pytest.raises(httpx.ReadTimeout):
             short.post("/v1/completions", json={"prompt": "hi", "max_tokens": 400})
     assert wait_for_abort(backend) == [backend.requests[0].request_id]
+
+
+def test_prompt_lists_become_one_engine_request_each():
+    from deployments.openai_protocol import to_generate_requests
+
+    def prompts(prompt):
+        return [(g.prompt, g.request_id) for g in to_generate_requests(CompletionRequest.model_validate(
+            {"prompt": prompt, "max_tokens": 3}), "x")]
+
+    assert prompts([[1, 2, 3]]) == [([1, 2, 3], "cmpl-x")]  # lm-eval's batch of one
+    assert prompts(["a"]) == [("a", "cmpl-x")]
+    assert prompts([1, 2]) == [([1, 2], "cmpl-x")]
+    assert prompts(["a", "b"]) == [("a", "cmpl-x-0"), ("b", "cmpl-x-1")]
+    assert prompts([[1], [2, 3]]) == [([1], "cmpl-x-0"), ([2, 3], "cmpl-x-1")]

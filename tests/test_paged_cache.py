@@ -6,13 +6,12 @@ import torch
 from ponytail import CacheConfig, NoRoom, PagedKVCache
 
 
-def make_cache(max_blocks=12, chunk_blocks=4, threshold=0.1, prefix_caching=False) -> PagedKVCache:
+def make_cache(max_blocks=12, chunk_blocks=4, threshold=0.1, prefix_caching=False,
+               release_after_s=0.0) -> PagedKVCache:
     config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", max_batch_size=1,
                          max_seq_len=max_blocks * 4, block_size=4, chunk_blocks=chunk_blocks,
                          defrag_threshold=threshold, device="cpu")
-    cache = PagedKVCache(config)
-    cache.allocator.enable_prefix_caching = prefix_caching
-    return cache
+    return PagedKVCache(config, release_after_s=release_after_s, enable_prefix_caching=prefix_caching)
 
 
 def fill(cache, seq_id, n):
@@ -110,8 +109,7 @@ def test_maintain_grows_when_low_defragments_over_threshold_and_releases_idle_ch
 
 
 def test_spare_chunks_go_back_only_after_release_after_s_spare_in_a_row():
-    cache = make_cache(max_blocks=64, chunk_blocks=8)
-    cache.release_after_s = 10.0
+    cache = make_cache(max_blocks=64, chunk_blocks=8, release_after_s=10.0)
     fill(cache, 1, 4 * 30)  # 30 blocks: 4 chunks
     cache.free(1)  # 3 chunks to spare (one chunk of headroom stays)
     assert cache.seconds_until_release(now=100.0) == 10.0  # the count starts here
@@ -133,3 +131,25 @@ def test_maintain_grows_ahead_only_for_the_reserve_it_is_given():
     assert cache.num_chunks == 4
     assert cache.maintain(reserve_blocks=3).chunks_added == 1 and cache.num_chunks == 5
     assert cache.invariants() == []
+
+
+def test_pool_sizes_and_block_tables_through_the_cache():
+    cache = make_cache(max_blocks=12, chunk_blocks=4)
+    assert (cache.max_blocks, cache.chunk_blocks, cache.num_chunks) == (12, 4, 1)
+    assert cache.growable_blocks == 8 and cache.available_blocks == 12
+    fill(cache, 1, 4 * 5 + 1)  # 6 blocks: the pool grows to 2 chunks
+    assert cache.num_chunks == 2 and cache.growable_blocks == 4 and cache.available_blocks == 4 + 2
+    table = cache.block_table(1)
+    assert len(table) == 6 and cache.block_table(1, 9) == table[:3] and cache.block_table(1, 0) == []
+    assert cache.slots(1, 3, 6) == [table[0] * 4 + 3, table[1] * 4, table[1] * 4 + 1]
+    assert cache.has_seq(1) and not cache.has_seq(2)
+
+
+def test_prefix_caching_and_release_delay_are_constructor_settings():
+    with_prefixes = make_cache(prefix_caching=True, release_after_s=5.0)
+    assert with_prefixes.allocator.enable_prefix_caching and with_prefixes.release_after_s == 5.0
+    fill(with_prefixes, 1, 8)
+    assert with_prefixes.allocate(2, [1000 + i for i in range(8)] + [7]).num_cached_tokens == 8
+    without = make_cache(prefix_caching=False)
+    fill(without, 1, 8)
+    assert without.allocate(2, [1000 + i for i in range(8)] + [7]).num_cached_tokens == 0

@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+import ponytail
+
 from ponytail.sampling.sampler import (
     SamplingBatch,
     apply_filters,
@@ -211,7 +213,6 @@ def test_logprobs_are_the_raw_log_softmax():
     assert values.shape == ids.shape == (4, 5)
     torch.testing.assert_close(values, raw.topk(5, -1).values)
     torch.testing.assert_close(raw.gather(1, ids), values)
-    assert out.ranks.tolist() == [(raw[i] > chosen[i]).sum().item() + 1 for i in range(4)]
     assert sample(logits, batch_of([SP()] * 4)).top_logprobs is None
 
 
@@ -221,3 +222,19 @@ def test_token_ids_outside_the_vocabulary_are_refused():
         sample(torch.zeros(1, 10), batch)
     assert math.isclose(sample(torch.zeros(1, 51), batch).logprobs.item(), -math.log(51),
                         rel_tol=1e-5)
+
+
+def test_logit_bias_adds_to_the_raw_logits_before_penalties():
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 5.0
+    params = [SP(temperature=0, logit_bias={6: 10.0}), SP(temperature=0, logit_bias={2: -100}),
+              SP(temperature=0)]
+    tokens = sample(logits, batch_of(params)).token_ids.tolist()
+    assert tokens == [6, 0, 2]  # pushed up; pushed down (ties go to the first index); untouched
+    assert logits[0, 6] == 0  # the caller's logits are not modified
+
+
+@pytest.mark.parametrize("bias", [{-1: 1.0}, {3: 101}, {"3": 1.0}, [3], {3: True}])
+def test_bad_logit_bias_names_the_field(bias):
+    with pytest.raises(ponytail.ConfigError, match=r"^logit_bias=.* is invalid; allowed: None or a dict of token ids"):
+        SP(logit_bias=bias)

@@ -1,13 +1,19 @@
 """The Serve application end to end on the CPU: two engine replicas of the embedded default model,
 the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only."""
 
+import os
+import re
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
+import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
 from deployments.protocol import GenerateRequest  # noqa: E402
@@ -67,6 +73,25 @@ def test_a_serve_handle_yields_the_same_deltas_as_http(app):
     assert "".join(d.text for d in deltas) == http.choices[0].text
 
 
+def readme_example(marker: str) -> str:
+    """The code block README.md holds between <!-- marker --> and <!-- /marker -->."""
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    found = re.search(rf"<!-- {marker} -->\n```python\n(.*?)```\n<!-- /{marker} -->", readme, re.S)
+    assert found, f"README.md has no python block marked {marker}"
+    return found.group(1)
+
+
+def test_the_readme_serve_handle_example_runs_as_written(app):
+    code = readme_example("serve-handle-example")
+    assert "asyncio.run(main())" in code and 'ray.init(address="auto")' in code
+    # address="auto" finds this test's cluster through RAY_ADDRESS (other Ray clusters may share the machine).
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip(), f"the example printed nothing; stderr: {done.stderr[-2000:]}"
+
+
 @pytest.mark.parametrize("kwargs, status, field", [
     (dict(model=MODEL, prompt="hi", max_tokens=10, temperature=-1), 400, "temperature"),
     (dict(model=MODEL, prompt="hi", max_tokens=-5), 400, "max_tokens"),
@@ -109,3 +134,27 @@ def _has(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
+
+
+def test_behind_serve_one_request_id_metrics_tokenize_and_echo(app):
+    import json
+    import urllib.request
+
+    client, port = app
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", max_tokens=2,
+                                                      temperature=0, echo=True, logprobs=1)
+    assert len(raw.headers.get_list("x-request-id")) == 1  # Serve's proxy sets it; the app adds none
+    choice = raw.parse().choices[0]
+    assert choice.text.startswith("The capital of France is") and choice.logprobs.token_logprobs[0] is None
+    with_id = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=1,
+                                                          extra_headers={"x-request-id": "given-1"})
+    assert with_id.headers.get_list("x-request-id") == ["given-1"] and with_id.parse().id == "cmpl-given-1"
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/tokenize", data=json.dumps({"prompt": "Hi"}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.load(response)["count"] >= 1
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
+        text = response.read().decode()
+    assert f'ponytail:generation_tokens_total{{model_name="{MODEL}"}}' in text
+    assert "ponytail:kv_cache_usage_perc{" in text
+    assert client.models.list().data[0].root

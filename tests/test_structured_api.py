@@ -21,7 +21,8 @@ from pydantic import BaseModel, Field  # noqa: E402
 import ponytail  # noqa: E402
 from deployments.openai_api import build_app  # noqa: E402
 from deployments.protocol import ModelInfo  # noqa: E402
-from deployments.replica import EngineReplica  # noqa: E402
+from deployments.logprobs import TokenTexts  # noqa: E402
+from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -61,10 +62,13 @@ class LocalReplica(EngineReplica):
     """EngineReplica's request path (chat template, tools, deltas) without Ray or its metrics."""
 
     def __init__(self, llm):
-        self.llm, self.engine, self.tokenizer = llm, ponytail.AsyncLLM(llm), llm.tokenizer
+        self.llm, self.async_llm, self.tokenizer = llm, ponytail.AsyncLLM(llm), llm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
         self.metrics, self.num_requests = _NoMetrics(), 0
         self.info = ModelInfo(model_id=MODEL, max_model_len=llm.engine.scheduler.max_model_len,
                               block_size=16, device="cpu", device_uuid=None)
+        self.max_prompt_tokens = self.info.max_model_len
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
 
     def stream(self, request):
         return self.generate(request)

@@ -12,6 +12,7 @@ import torch
 
 from ..errors import KernelError
 from ..kv.storage import PagedKVStorage
+from ..utils.arith import cdiv
 
 
 def check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
@@ -25,7 +26,7 @@ def check_args(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_t
     check_query(storage, layer, query, heads, head_dim, scale)
     check_rows(storage, batch, block_tables, seq_lens, query_lens)
     if seq_lens.device.type == "cpu":  # values are free to read only on the host
-        _check_values(storage, block_tables, seq_lens, query_lens, positions)
+        check_values(storage, block_tables, seq_lens, query_lens, positions)
 
 
 def check_query(storage: PagedKVStorage, layer, query: torch.Tensor, heads: int, head_dim: int, scale) -> None:
@@ -61,7 +62,7 @@ def check_rows(storage: PagedKVStorage, batch: int, block_tables: torch.Tensor, 
             raise KernelError(f"{name} must be [batch={batch}], got {tuple(t.shape)}")
 
 
-def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
+def check_values(storage, block_tables, seq_lens, query_lens, positions) -> None:
     block_size = storage.config.block_size
     capacity = block_tables.shape[1] * block_size
     for b, n in enumerate(seq_lens.tolist()):
@@ -74,7 +75,7 @@ def _check_values(storage, block_tables, seq_lens, query_lens, positions) -> Non
         if n > 0 and real > n:
             raise KernelError(f"row {b} has {real} real query tokens but seq_lens[{b}]={n}: the cache "
                               "must already hold every new token's K/V (write them first)")
-        ids = block_tables[b, : -(-n // block_size)]
+        ids = block_tables[b, : cdiv(n, block_size)]
         bad = ids[(ids < 0) | (ids >= storage.num_blocks)]
         if bad.numel():
             raise KernelError(f"block_tables[{b}] holds block ids {bad[:8].tolist()} outside the pool's "

@@ -17,6 +17,7 @@ import torch
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
 from ..kv.storage import PagedKVStorage
+from ..utils.arith import cdiv
 
 SOURCE = "paged_attention.cu"
 DECODE_HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in paged_attention.cu
@@ -110,13 +111,13 @@ def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blo
                  overhead_tokens) -> tuple[int, int]:
     if max_tokens == 0:
         return 1, block_size
-    fewest = -(-max_tokens // (max_split_blocks * block_size))
+    fewest = cdiv(max_tokens, max_split_blocks * block_size)
     most = max(fewest, max_tokens // max(min_split_tokens, 1))
     best = None
     for splits in range(fewest, most + 1):
-        split_tokens = -(-(-(-max_tokens // splits)) // block_size) * block_size
-        used = -(-max_tokens // split_tokens)
-        waves = -(-base_ctas * used // resident_ctas)
+        split_tokens = cdiv(cdiv(max_tokens, splits), block_size) * block_size
+        used = cdiv(max_tokens, split_tokens)
+        waves = cdiv(base_ctas * used, resident_ctas)
         cost = waves * (split_tokens + overhead_tokens)
         if best is None or cost < best[0]:
             best = (cost, used, split_tokens)
@@ -139,7 +140,7 @@ def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int
     c = storage.config
     group_size = heads // c.num_kv_heads
     group = min(LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
-    groups = -(-group_size // group)
+    groups = cdiv(group_size, group)
     stages = LAUNCH[f"decode_stages_g{group}"]
     name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
             f"s{stages}v{LAUNCH['decode_row_vectors']}")
@@ -183,7 +184,7 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
         if plan.splits > 1:
             reduce = kernel_loader.get_kernel(
                 SOURCE, f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}", device)
-            reduce((heads, batch), (-(-head_dim // 32) * 32,), (
+            reduce((heads, batch), (cdiv(head_dim, 32) * 32,), (
                 ptr(out), ptr(ws_acc), ptr(ws_ml), *lengths, np.int32(max_tokens),
                 np.int32(plan.split_tokens), np.int32(plan.splits)))
     return out

@@ -13,7 +13,8 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from ..errors import ConfigError
-from ..plugin.cache import TAG
+from . import hf_fallback
+from .hf_cache_base import TAG
 
 ATTN_IMPLEMENTATION = "ponytail"
 
@@ -23,9 +24,10 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                                dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """query [B, Hq, T, D], key/value [B, Hkv, T, D] (this step's tokens only) -> [B, T, Hq, D]."""
     owner = getattr(key, TAG, None)
-    if owner is None:
-        raise ConfigError("attn_implementation='ponytail' needs a Ponytail cache: pass "
-                          "cache=ponytail.create_cache(model=model, ...) to generate/forward")
+    if owner is None:  # no Ponytail cache: the model runs as it did before create_cache
+        return hf_fallback.run_previous(module, query, key, value, attention_mask, dropout=dropout,
+                                        scaling=scaling, **kwargs)
+    attention_mask = hf_fallback.padding_mask(attention_mask)
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
     cache, layer_idx = owner
@@ -47,7 +49,13 @@ def register(for_compiled_models: bool = False) -> None:
     tracing into CuPy. Eager models keep the plain function (no wrapper in the hot path)."""
     forward = torch.compiler.disable(ponytail_attention_forward) if for_compiled_models else ponytail_attention_forward
     AttentionInterface.register(ATTN_IMPLEMENTATION, forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, flash_attention_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, hf_fallback.wrap_mask(flash_attention_mask))
+
+
+def switch_model(model, keep_fallback: bool = True) -> None:
+    """Give `model` attn_implementation "ponytail"; with keep_fallback, calls without a Ponytail
+    cache still run its previous implementation (hf_fallback.py)."""
+    hf_fallback.switch_to_ponytail(model, ATTN_IMPLEMENTATION, keep_fallback=keep_fallback)
 
 
 register()

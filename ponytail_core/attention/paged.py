@@ -7,7 +7,8 @@
     bottom-right causal mask, no padding and no mask tensor; where flash cannot run (fp32, a GPU
     before sm80, a torch without it) a padded gather and SDPA with an explicit mask instead;
   * the torch fallback (CPU, PONYTAIL_KERNELS=torch, a head size without a kernel): the same
-    gather with tensor indexing, then attention in fp32 with an explicit softmax.
+    gather with tensor indexing, then attention in fp32 with an explicit softmax; varlen calls
+    take torch_varlen.py instead, unpadded (per-row SDPA on views, decode rows in groups).
 
 Semantics. The cache already holds every row's K/V including the new tokens. Row b has
 seq_lens[b] tokens; its real new tokens are the last query_lens[b] of the T query positions
@@ -30,11 +31,12 @@ import torch
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
 from ..kv.storage import PagedKVStorage
-from .checks import check_args, check_query, check_rows
+from .checks import check_args, check_query, check_rows, check_values
 from .decode import decode_choice, decode_cupy
 from .flash import flash_varlen_problem
 from .prefill_cupy import flash_over_cache, prefill_flash_padded, prefill_sdpa
 from .torch_fallback import attention_torch
+from .torch_varlen import attention_torch_planned, plan_torch_attention
 
 
 def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
@@ -106,7 +108,16 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         kernel_loader.log_choice("paged_attention varlen prefill",
                                  kernel_loader.KernelChoice(True, "CuPy packed gather + flash varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale))
-    # Everything else goes through the padded entry point (its checks, its fallback, its logging).
+    if not choice.use_custom:  # the torch path, unpadded: work grows with each row's tokens x its context
+        check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
+        check_rows(storage, batch, block_tables, seq_lens, None)
+        counts = (cu_seq_q[1:] - cu_seq_q[:-1]).to(torch.int32)
+        if seq_lens.device.type == "cpu":
+            check_values(storage, block_tables, seq_lens, counts, max_query_len)
+        kernel_loader.log_choice("paged_attention varlen", choice)
+        plan = plan_torch_attention(storage, counts.tolist(), seq_lens.tolist(), block_tables.tolist())
+        return attention_torch_planned(storage, layer, query, plan, float(scale))
+    # CuPy without flash varlen: the padded entry point (its checks, its gather, its logging).
     padded, row, col = _varlen_to_padded(query, cu_seq_q, max_query_len)
     query_lens = (cu_seq_q[1:] - cu_seq_q[:-1]).to(torch.int32)
     out = paged_attention(storage, layer, padded.transpose(1, 2), block_tables, seq_lens, query_lens, scale)

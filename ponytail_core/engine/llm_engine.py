@@ -33,30 +33,14 @@ from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
 from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
-from .scheduler import ScheduledChunk, Scheduler
+from ..runner.inputs import ScheduledChunk
+from .scheduler import Scheduler
+from .logprobs import logprob_entry, record_prompt_logprobs
+from .stats import EngineStats
+from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 _IGNORED_ROW = SamplingParams(temperature=0)  # the row of a request that ended before its step sampled
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    total_blocks: int  # blocks the pool holds now
-    free_blocks: int  # allocatable now, evictable prefix blocks included
-    used_blocks: int  # held by live requests
-    num_running: int
-    num_waiting: int
-    fragmentation: float
-    num_preemptions: int
-    num_defragmentations: int  # pool compactions that moved blocks
-    num_blocks_moved: int  # blocks those compactions copied
-    prefix_cache_queries: int  # prompt tokens admitted
-    prefix_cache_hits: int  # of those, served from cached blocks
-    allocated_bytes: int
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(slots=True)
@@ -85,15 +69,21 @@ class _Launched:
 class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
-    Outputs are the same as without it."""
+    Outputs are the same as without it. enable_prefix_caching and kv_release_after_s go to the
+    pool (PagedKVCache's enable_prefix_caching and release_after_s)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
     def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
-                 compile_model: bool = False, async_scheduling: bool = False):
+                 compile_model: bool = False, async_scheduling: bool = False,
+                 enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0,
+                 device_headroom_bytes: int = 0):
         self.model, self.tokenizer = model, tokenizer
-        self.cache = PagedKVCache(cache_config)
+        self.max_model_len = max_model_len
+        self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
+                                  enable_prefix_caching=enable_prefix_caching,
+                                  device_headroom_bytes=device_headroom_bytes)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)
@@ -136,6 +126,10 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
                               "use stop_token_ids")
+        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad_stops:
+            raise ConfigError(f"stop_token_ids={bad_stops[:5]!r:.80} are outside the vocabulary: "
+                              f"allowed: token ids in [0, {self.vocab_size})")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
@@ -175,7 +169,8 @@ class LLMEngine:
             raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
-            raise ConfigError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ConfigError(f"prompt={bad[:5]!r:.80}: token ids outside the vocabulary; "
+                              f"allowed: token ids in [0, {self.vocab_size})")
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:
@@ -242,7 +237,7 @@ class LLMEngine:
         """The pool's maintenance: every MAINTAIN_EVERY steps, and from AsyncLLM when idle (so
         memory spare for `cache.release_after_s` goes back even when no step runs)."""
         # Decoding requests take at most a block each per block_size steps until the next run.
-        per_request = -(-self.MAINTAIN_EVERY // self.cache.config.block_size)
+        per_request = cdiv(self.MAINTAIN_EVERY, self.cache.config.block_size)
         self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
 
     def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -257,6 +252,8 @@ class LLMEngine:
             logits = self.runner.execute(chunks)
         else:
             logits = self.runner.execute(chunks, prev.result.token_ids)
+        # Right after the forward (before num_computed_tokens moves): the prompt rows go, the sampling rows stay.
+        logits = record_prompt_logprobs(chunks, logits, sum(1 for chunk in chunks if chunk.samples))
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         return logits
@@ -285,12 +282,14 @@ class LLMEngine:
         result = sample(logits, batch)
         host = result.to_host(with_logprobs=batch.max_logprobs is not None)
         indexes = []
+        promises = self.scheduler.promises
         for row, request in enumerate(requests):
             indexes.append(len(request.output_token_ids))
             if request.finished:
                 continue
             request.output_token_ids.append(PLACEHOLDER_TOKEN)
             request.pending_row = row
+            promises.grew(request)
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
 
     def _finish_in_flight(self) -> list[StepOutput]:
@@ -325,8 +324,8 @@ class LLMEngine:
                 continue
             if chosen_logprobs is not None and request.params.logprobs is not None:
                 request.logprobs = request.logprobs or []
-                request.logprobs.append(self._logprob_entry(host, row, token, chosen_logprobs[row],
-                                                            request.params.logprobs))
+                request.logprobs.append(logprob_entry(host, row, token, chosen_logprobs[row],
+                                                      request.params.logprobs))
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
@@ -357,16 +356,6 @@ class LLMEngine:
         logger.error("request %s: %s", request.request_id, request.error)
         self._release(request)
 
-    @staticmethod
-    def _logprob_entry(result, row: int, token: int, chosen: float, top: int) -> dict[int, float]:
-        """{token id: logprob} for the chosen token and the row's `top` most likely ones."""
-        entry = {token: chosen}
-        if result.top_logprobs is not None and top:  # host tensors (HostSamples)
-            values, indices = result.top_logprobs
-            for value, index in zip(values[row, :top].tolist(), indices[row, :top].tolist()):
-                entry.setdefault(index, value)
-        return entry
-
     def _release(self, request: Request) -> None:
         self.scheduler.remove(request)
         self._generators.pop(request.request_id, None)
@@ -379,7 +368,8 @@ class LLMEngine:
                                       logprobs=request.logprobs)
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, metrics=request.metrics, error=request.error)
+                             finished=request.finished, metrics=request.metrics, error=request.error,
+                             prompt_logprobs=request.prompt_logprobs)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""
@@ -387,8 +377,13 @@ class LLMEngine:
         self._detokenizers.pop(request_id, None)
 
     def stats(self) -> EngineStats:
+        """Plain counters: any thread may call it without waiting for a step (the numbers are
+        those of the engine's latest change; a report a step stale is corrected by the next)."""
         s = self.cache.stats()
-        return EngineStats(total_blocks=s.total_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
+        return EngineStats(total_blocks=s.total_blocks, max_blocks=s.max_blocks, free_blocks=s.free_blocks,
+                           admissible_blocks=s.free_blocks + self.cache.growable_blocks,
+                           promised_blocks=self.scheduler.promises.total, used_blocks=s.used_blocks,
+                           cached_blocks=s.evictable_blocks,
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
                            num_defragmentations=self.cache.num_defragmentations,

@@ -51,6 +51,9 @@ class Request:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None
     logprobs: list[dict[int, float]] | None = None
+    # With params.prompt_logprobs: per prompt token so far, {token id: logprob} of it and the top
+    # ones (None for the first token, which nothing predicts); filled as prefill chunks run.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     # Async scheduling: the row of the launched step's sampled tokens that will replace the
     # placeholder ending output_token_ids; None when every token is known.
     pending_row: int | None = None
@@ -63,6 +66,18 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def prompt_logits_from(self) -> int | None:
+        """The first position whose logits a prompt logprob still needs; None when none does."""
+        done = self.prompt_logprobs
+        if done is None or len(done) >= len(self.prompt_token_ids):
+            return None
+        return len(done) - 1
 
     def token_slice(self, start: int, end: int | None = None) -> list[int]:
         """all_token_ids[start:end] without building the whole list (hot in every step)."""
@@ -138,6 +153,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # as vLLM's: None for the first token
 
     # The single-completion shortcuts most callers want.
     @property

@@ -14,28 +14,17 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ContextLengthError
 from ..kv.paged_cache import PagedKVCache
+from ..runner.inputs import ScheduledChunk
 from .request import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the first token computed in this step
-    num_tokens: int  # tokens computed in this step
-    slots: list[int]  # cache slot of each of those tokens
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the request's last known token: a new token is sampled after it."""
-        return self.start + self.num_tokens == self.request.num_tokens
+from .stats import BlockPromises
+from ..utils.arith import cdiv
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    preempted: list[Request]
+    chunks: list[ScheduledChunk]  # running requests first (oldest first), then the ones admitted
 
     @property
     def num_tokens(self) -> int:
@@ -49,35 +38,40 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.watermark_blocks = int(watermark * cache.max_chunks * cache.storage.chunk_blocks)
+        self.watermark_blocks = int(watermark * cache.max_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.promises = BlockPromises(cache.config.block_size)  # kept as requests come, run and go
 
     # ------------------------------------------------------------- requests
     def check_fits(self, request: Request) -> None:
         """Refuse at once what could never run, instead of letting it wait forever."""
         need = len(request.prompt_token_ids) + request.params.max_tokens
         if need > self.max_model_len:
-            raise ConfigError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
-                              f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}")
+            raise ContextLengthError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                                     f"({request.params.max_tokens}) = {need} exceeds max_model_len={self.max_model_len}",
+                                     len(request.prompt_token_ids), request.params.max_tokens, self.max_model_len)
         bs = self.cache.config.block_size
-        capacity = self.cache.max_chunks * self.cache.storage.chunk_blocks
-        if -(-need // bs) > capacity:
-            raise ConfigError(f"prompt + max_tokens = {need} tokens needs {-(-need // bs)} KV blocks, but the whole "
+        capacity = self.cache.max_blocks
+        if cdiv(need, bs) > capacity:
+            raise ConfigError(f"prompt + max_tokens = {need} tokens needs {cdiv(need, bs)} KV blocks, but the whole "
                               f"cache holds {capacity}; raise kv_cache_memory or lower max_tokens")
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
         self.waiting.append(request)
+        self.promises.queued(request)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and give its blocks back."""
         if request in self.running:
             self.running.remove(request)
             self.cache.free(request.request_id)
+            self.promises.left(request, running=True)
         elif request in self.waiting:
             self.waiting.remove(request)
+            self.promises.left(request, running=False)
 
     @property
     def has_work(self) -> bool:
@@ -95,7 +89,7 @@ class Scheduler:
         """
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted: list[Request] = []
+        preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -105,9 +99,8 @@ class Scheduler:
             if not self._reserve_next(request):
                 if step_in_flight:
                     return None
-                victim = self.running.pop()  # the newest
-                self._preempt(victim)
-                preempted.append(victim)
+                self._preempt(self.running.pop())  # the newest
+                preempted = True
                 continue  # retry the same request (or stop if it was the victim)
             n = min(request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
@@ -115,7 +108,7 @@ class Scheduler:
             i += 1
         if not preempted:
             self._admit(chunks, budget)
-        return SchedulerOutput(chunks=chunks, preempted=preempted)
+        return SchedulerOutput(chunks=chunks)
 
     def _reserve_next(self, request: Request) -> bool:
         """Slots for tokens the request has but the cache has not reserved (the last sampled one)."""
@@ -128,8 +121,12 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             tokens = request.all_token_ids
-            # The last token is always computed: its logits give the next token.
-            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=len(tokens) - 1)
+            # The last token is always computed: its logits give the next token. Prompt logprobs
+            # need the logits of every prompt position not yet scored: those are computed too.
+            max_cached = len(tokens) - 1
+            if request.prompt_logits_from is not None:
+                max_cached = min(max_cached, request.prompt_logits_from)
+            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=max_cached)
             if not result:
                 break
             if self.running and self.cache.available_blocks < self.watermark_blocks:
@@ -141,14 +138,14 @@ class Scheduler:
             if request.metrics.num_preemptions == 0:
                 request.metrics.num_cached_prompt_tokens = result.num_cached_tokens
             self.running.append(request)
+            self.promises.started(request)
             n = min(len(tokens) - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
             budget -= n
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
-        slot = self.cache.allocator.slot
-        slots = [slot(request.request_id, p) for p in range(start, start + n)]
+        slots = self.cache.slots(request.request_id, start, start + n)
         return ScheduledChunk(request=request, start=start, num_tokens=n, slots=slots)
 
     def _preempt(self, request: Request) -> None:
@@ -158,3 +155,4 @@ class Scheduler:
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
+        self.promises.preempted(request)

@@ -17,7 +17,9 @@ import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from ..utils.arith import cdiv
 from .blocks import Allocation, Block, NoRoom, chain_hash
+from .prefix_events import PrefixEventLog
 
 
 @dataclass(slots=True)
@@ -42,6 +44,7 @@ class BlockAllocator:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
         self._hash_to_block: dict[int, int] = {}
         self._seqs: dict[object, _SeqState] = {}
+        self.prefix_events: PrefixEventLog | None = None  # attached by whoever publishes the cache's content
 
     # ------------------------------------------------------------------ queries
     @property
@@ -85,8 +88,10 @@ class BlockAllocator:
     def seq_ids(self) -> list:
         return list(self._seqs)
 
-    def block_table(self, seq_id) -> list[int]:
-        return list(self._state(seq_id).block_ids)
+    def block_table(self, seq_id, num_tokens: int | None = None) -> list[int]:
+        """The sequence's blocks; with num_tokens, only those its first num_tokens tokens use."""
+        block_ids = self._state(seq_id).block_ids
+        return list(block_ids) if num_tokens is None else block_ids[: cdiv(num_tokens, self.block_size)]
 
     def seq_len(self, seq_id) -> int:
         return self._state(seq_id).num_tokens
@@ -94,6 +99,11 @@ class BlockAllocator:
     def slot(self, seq_id, position: int) -> int:
         state = self._state(seq_id)
         return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def slots(self, seq_id, start: int, stop: int) -> list[int]:
+        """slot(seq_id, p) for p in start .. stop - 1."""
+        block_ids, bs = self._state(seq_id).block_ids, self.block_size
+        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop)]
 
     # ------------------------------------------------------------- allocation
     def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
@@ -108,7 +118,7 @@ class BlockAllocator:
         hits: list[int] = []
         prev_hash: int | None = None
         limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching:  # the chain prefix_block_hashes (blocks.py) computes elsewhere
             for start in range(0, limit - bs + 1, bs):
                 block_tokens = tuple(token_ids[start : start + bs])
                 h = chain_hash(prev_hash, block_tokens)
@@ -117,7 +127,7 @@ class BlockAllocator:
                     break
                 hits.append(block_id)
                 prev_hash = h
-        num_new = -(-len(token_ids) // bs) - len(hits)
+        num_new = cdiv(len(token_ids), bs) - len(hits)
         reusable = sum(1 for b in hits if b in self._evictable)
         if num_new > self.num_free - reusable:
             return NoRoom(needed=num_new, free=self.num_free - reusable)
@@ -135,7 +145,7 @@ class BlockAllocator:
     def blocks_needed_to_append(self, seq_id, num_tokens: int) -> int:
         state = self._state(seq_id)
         bs = self.block_size
-        new_blocks = -(-(state.num_tokens + num_tokens) // bs) - len(state.block_ids)
+        new_blocks = cdiv(state.num_tokens + num_tokens, bs) - len(state.block_ids)
         cow = 1 if self._last_block_is_shared_partial(state) and num_tokens > 0 else 0
         return new_blocks + cow
 
@@ -167,8 +177,10 @@ class BlockAllocator:
         full = min(num_computed_tokens, state.num_tokens) // self.block_size
         for index in range(state.num_committed, full):
             block = self.blocks[state.block_ids[index]]
-            if self.enable_prefix_caching and block.hash is not None:
-                self._hash_to_block.setdefault(block.hash, block.block_id)
+            if self.enable_prefix_caching and block.hash is not None \
+                    and self._hash_to_block.setdefault(block.hash, block.block_id) == block.block_id \
+                    and self.prefix_events is not None:
+                self.prefix_events.record(block.hash, stored=True)
         state.num_committed = max(state.num_committed, full)
 
     def replace_token(self, seq_id, position: int, token: int) -> None:
@@ -251,7 +263,7 @@ class BlockAllocator:
         for block_id in range(new_total, self.num_blocks):
             if block_id in self._evictable:
                 del self._evictable[block_id]
-                del self._hash_to_block[self.blocks[block_id].hash]
+                self._forget_hash(self.blocks[block_id].hash)
         del self.blocks[new_total:]
         self._free = [b for b in self._free if b < new_total]
         heapq.heapify(self._free)
@@ -261,7 +273,7 @@ class BlockAllocator:
         dropped = 0
         while dropped < count and self._evictable:
             block_id, _ = self._evictable.popitem(last=False)
-            del self._hash_to_block[self.blocks[block_id].hash]
+            self._forget_hash(self.blocks[block_id].hash)
             self.blocks[block_id].reset()
             heapq.heappush(self._free, block_id)
             dropped += 1
@@ -307,7 +319,7 @@ class BlockAllocator:
                     problems.append(f"seq {seq_id!r} holds out-of-range block {block_id}")
                     continue
                 expected_refs[block_id] += 1
-            if len(state.block_ids) != -(-state.num_tokens // self.block_size):
+            if len(state.block_ids) != cdiv(state.num_tokens, self.block_size):
                 problems.append(f"seq {seq_id!r}: {len(state.block_ids)} blocks for {state.num_tokens} tokens")
             if len(state.partial_tokens) != state.num_tokens % self.block_size:
                 problems.append(f"seq {seq_id!r}: partial tokens out of step with its length")
@@ -338,6 +350,11 @@ class BlockAllocator:
             return self._seqs[seq_id]
         except KeyError:
             raise KeyError(f"seq_id={seq_id!r} is not allocated") from None
+
+    def _forget_hash(self, block_hash: int) -> None:
+        del self._hash_to_block[block_hash]
+        if self.prefix_events is not None:
+            self.prefix_events.record(block_hash, stored=False)
 
     def _last_block_is_shared_partial(self, state: _SeqState) -> bool:
         return (state.num_tokens % self.block_size != 0

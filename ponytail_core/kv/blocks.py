@@ -42,7 +42,32 @@ class Allocation:
     num_cached_tokens: int = 0  # leading tokens whose K/V is already present (prefix hit)
 
 
+ROOT_HASH = 0  # what the first block chains over
+
 
 def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block, chained over the previous block's hash (prefix identity)."""
-    return hash((prev_hash, token_ids))
+    """Hash of a full block, chained over the previous block's hash (prefix identity).
+
+    The same in every process, so a router elsewhere can compute what an engine caches: ints and
+    tuples of ints hash by value, while None (before Python 3.12) hashes by its address.
+    """
+    return hash((ROOT_HASH if prev_hash is None else prev_hash, token_ids))
+
+
+def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int,
+                        max_cached_tokens: int | None = None) -> list[int]:
+    """The chain hashes BlockAllocator.allocate looks up for a prompt's full blocks, up to
+    `max_cached_tokens` tokens, in order.
+
+    An engine admits a prompt with max_cached_tokens = len(prompt) - 1 (its last token is always
+    computed); the same cap here makes a match on these hashes exactly the engine's prefix hit.
+    """
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} is not supported; allowed: an int >= 1")
+    limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
+    hashes: list[int] = []
+    prev_hash: int | None = None
+    for start in range(0, limit - block_size + 1, block_size):
+        prev_hash = chain_hash(prev_hash, tuple(token_ids[start : start + block_size]))
+        hashes.append(prev_hash)
+    return hashes

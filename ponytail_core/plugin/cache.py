@@ -1,10 +1,10 @@
 """A transformers `Cache` backed by Ponytail's paged pool, for `model.generate(..., cache=cache)`.
 
 Each batch row is one sequence in the pool. The cache does not hand full K/V back to the model:
-`update()` only tags the new tokens' K/V with the cache, and Ponytail's attention function
-(registered as attn_implementation "ponytail", see hf_attention.py) writes them into their slots
-and reads the context straight from the blocks. Left padding is never stored: a padded row simply
-holds fewer tokens.
+`update()` only tags the new tokens' K/V with the cache (attention/hf_cache_base.py), and
+Ponytail's attention function (registered as attn_implementation "ponytail", see
+attention/hf_backend.py) writes them into their slots and reads the context straight from the
+blocks. Left padding is never stored: a padded row simply holds fewer tokens.
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..kv.config import CacheConfig
-from ..errors import ConfigError
+from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention
+from ..errors import ConfigError
+from ..kv.config import CacheConfig
 from ..kv.paged_cache import PagedKVCache
-
-TAG = "_ponytail_cache"  # attribute set on the key tensor update() returns
+from ..utils.device import to_device
 
 
 @dataclass(slots=True)
@@ -36,124 +35,6 @@ class StepMetadata:
     has_context: bool  # whether any row held tokens before this step
 
 
-class _PagedLayer(CacheLayerMixin):
-    """Per-layer view transformers expects; the pool holds the data for all layers."""
-
-    is_compileable = False
-    supports_early_init = False
-
-    def __init__(self, owner: PagedCacheBase, layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        pass
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.seen_tokens + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.owner.seen_tokens
-
-    def get_max_length(self) -> int:
-        return self.owner.paged.config.max_seq_len
-
-
-class PagedCacheBase(Cache):
-    """What both transformers-facing caches share: layer views, tagging in update(), model checks."""
-
-    def __init__(self, paged: PagedKVCache):
-        self.paged = paged
-        self._awaiting_attention: int | None = None
-        super().__init__(layers=[_PagedLayer(self, i) for i in range(paged.config.num_layers)])
-
-    @property
-    def config(self) -> CacheConfig:
-        return self.paged.config
-
-    seen_tokens = 0  # positions the model has seen per row (what transformers counts)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        if self._awaiting_attention is not None:
-            raise ConfigError(
-                "the model's attention implementation did not consume layer "
-                f"{self._awaiting_attention}'s K/V: a Ponytail cache needs attn_implementation='ponytail'. "
-                "Build the cache with ponytail.create_cache(model=model, ...), which sets it, or call "
-                "model.set_attn_implementation('ponytail')")
-        self._awaiting_attention = layer_idx
-        setattr(key_states, TAG, (self, layer_idx))
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.seen_tokens
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        return self.seen_tokens + query_length, 0
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return self.config.max_seq_len
-
-    @property
-    def is_compileable(self) -> bool:
-        return False
-
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"{what} is not supported by the Ponytail cache yet (greedy and sampled "
-                                  "generation with one sequence per row are)")
-
-    def reorder_cache(self, beam_idx):
-        self._unsupported("beam search (reorder_cache)")
-
-    def crop(self, tokens_to_remove: int):
-        self._unsupported("assisted decoding (crop)")
-
-    def batch_repeat_interleave(self, repeats: int):
-        self._unsupported("num_return_sequences > 1 (batch_repeat_interleave)")
-
-    def batch_select_indices(self, indices):
-        self._unsupported("batch_select_indices")
-
-    def attend(self, layer_idx: int, module, query, key, value, attention_mask, scale: float,
-               sliding_window: int | None) -> torch.Tensor:
-        """Write this layer's new K/V and return attention output [B, T, Hq, D]."""
-        raise NotImplementedError
-
-    def abandon_step(self) -> None:
-        """A forward pass failed inside attention: undo what would leave the cache inconsistent."""
-        self._awaiting_attention = None
-
-    def write_new_kv(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor,
-                     slot_mapping: torch.Tensor) -> None:
-        """key/value [B, Hkv, T, D] as the model made them (strided views, no copy)."""
-        keys = key.permute(0, 2, 1, 3).flatten(0, 1).unsqueeze(0)
-        values = value.permute(0, 2, 1, 3).flatten(0, 1).unsqueeze(0)
-        self.paged.write(keys, values, slot_mapping, layer_start=layer_idx)
-
-    def check_model(self, module, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None) -> None:
-        """Refuse a cache built for another model before any token is written or produced."""
-        c = self.config
-        if sliding_window is not None and c.max_seq_len > sliding_window:
-            raise ConfigError(f"the model uses sliding-window attention (window {sliding_window}), which Ponytail "
-                              f"does not implement yet; max_seq_len={c.max_seq_len} must be <= {sliding_window}")
-        model_config = getattr(module, "config", None)
-        checks = [("num_layers", c.num_layers, getattr(model_config, "num_hidden_layers", c.num_layers)),
-                  ("num_kv_heads", c.num_kv_heads, key.shape[1]),
-                  ("head_dim", c.head_dim, key.shape[-1])]
-        for field, cache_value, model_value in checks:
-            if cache_value != model_value:
-                raise ConfigError(f"this cache was built with {field}={cache_value}, but the model has "
-                                  f"{field}={model_value}; build it with ponytail.create_cache(model=model, ...)")
-        if key.dtype != c.dtype:
-            raise ConfigError(f"this cache was built with dtype={c.dtype}, but the model computes K/V in "
-                              f"{key.dtype}; build it with ponytail.create_cache(model=model, ...)")
-        if key.device != c.device:
-            raise ConfigError(f"this cache lives on {c.device}, the model's K/V on {key.device}")
-
-
 class PonytailCache(PagedCacheBase):
     """The object `ponytail.create_cache` returns: hand it to `model.generate` as `cache=`.
 
@@ -161,10 +42,8 @@ class PonytailCache(PagedCacheBase):
     """
 
     def __init__(self, config: CacheConfig):
-        paged = PagedKVCache(config)
         # The plug-in addresses rows by position, never by content: no prefix hashing.
-        paged.allocator.enable_prefix_caching = False
-        super().__init__(paged)
+        super().__init__(PagedKVCache(config, enable_prefix_caching=False))
         self.seen_tokens = 0
         self.step: StepMetadata | None = None
         self._rows = 0
@@ -220,7 +99,7 @@ class PonytailCache(PagedCacheBase):
         slots: list[int] = []
         for row, count in enumerate(counts):
             placeholder = [0] * count  # token ids matter only for prefix hashing, which is off here
-            fresh = not self.paged.allocator.has_seq(row)
+            fresh = not self.paged.has_seq(row)
             result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
             if not result:
                 raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "
@@ -233,10 +112,10 @@ class PonytailCache(PagedCacheBase):
         lens = torch.tensor([self.paged.seq_len(row) for row in range(batch)], dtype=torch.int32)
         self.step = StepMetadata(
             query_len=query_len,
-            slot_mapping=_to_device(torch.tensor(slots, dtype=torch.int64), device),
-            block_tables=_to_device(table_tensor, device),
-            seq_lens=_to_device(lens, device),
-            query_lens=_to_device(torch.tensor(counts, dtype=torch.int32), device),
+            slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
+            block_tables=to_device(table_tensor, device),
+            seq_lens=to_device(lens, device),
+            query_lens=to_device(torch.tensor(counts, dtype=torch.int32), device),
             new_valid=new_valid, has_context=has_context)
         self._mid_step = True
         return self.step
@@ -267,9 +146,3 @@ def attention_without_context(query, key, value, new_valid, scale) -> torch.Tens
     mask |= torch.eye(t, dtype=torch.bool, device=query.device)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out * new_valid[:, None, :, None].to(out.dtype)
-
-
-def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor

@@ -18,7 +18,8 @@ def create_cache(model: Any = None, *, max_batch_size: int, max_seq_len: int | N
     With a model (a transformers model or config) every shape field comes from it, and any
     value given here that disagrees raises `ConfigError` naming the field, the value given and
     the model's; a model also gets attn_implementation "ponytail" so its attention reads the
-    blocks in place. Without one, `num_heads` is the number of KV heads unless `num_kv_heads` is
+    blocks in place (calls without a Ponytail cache still run the model's previous
+    attention implementation). Without one, `num_heads` is the number of KV heads unless `num_kv_heads` is
     also given (then `num_heads` counts query heads). `options` are the remaining CacheConfig
     fields: block_size, memory_budget, device, chunk_blocks, defrag_threshold.
     """
@@ -28,7 +29,7 @@ def create_cache(model: Any = None, *, max_batch_size: int, max_seq_len: int | N
     if model is not None:
         config = CacheConfig.from_model(model, max_batch_size=max_batch_size, **given, **options)
         if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+            hf_attention.switch_model(model)  # forwards without this cache keep the old attention
     else:
         if num_kv_heads is None and num_heads is not None:
             given["num_kv_heads"] = given.pop("num_heads")

@@ -59,7 +59,7 @@ class DecodeGraphs:
         self._graphs: dict[int, _Captured] = {}
         self._pool = None
         self.replays = 0
-        self._table_version = hf_cache.paged.storage.ptr_table_version
+        self._table_version = hf_cache.paged.ptr_table_version
 
     def _statics(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
@@ -125,11 +125,11 @@ class DecodeGraphs:
         before the replay (async scheduling: inputs the previous step sampled, see fill_inputs)."""
         rows = len(token_ids)
         size = self.size_for(rows)
-        if self.hf_cache.paged.storage.ptr_table_version != self._table_version:
+        if self.hf_cache.paged.ptr_table_version != self._table_version:
             logger.warning("the KV pool's pointer table moved: capturing the decode graphs again")
             self._graphs.clear()
             self._pool = None
-            self._table_version = self.hf_cache.paged.storage.ptr_table_version
+            self._table_version = self.hf_cache.paged.ptr_table_version
         if size not in self._graphs:
             self._capture(size)
         self._staged.synchronize()  # the previous step's copies have left the staging buffers

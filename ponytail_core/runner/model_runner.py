@@ -8,7 +8,22 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from ..kv.paged_cache import PagedKVCache
-from ..engine.scheduler import ScheduledChunk
+from .inputs import ScheduledChunk
+from ..utils.arith import cdiv
+from ..utils.device import to_device
+
+
+def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int]]:
+    """(chunk, position) for each position whose logits score the next prompt token for a
+    request that asked for prompt logprobs (the last prompt position samples instead)."""
+    out = []
+    for chunk in chunks:
+        first = chunk.request.prompt_logits_from
+        if first is None:
+            continue
+        end = min(chunk.start + chunk.num_tokens, len(chunk.request.prompt_token_ids) - 1)
+        out.extend((chunk, p) for p in range(max(chunk.start, first), end))
+    return out
 
 
 class ModelRunner:
@@ -19,7 +34,7 @@ class ModelRunner:
                  cuda_graphs: bool = False, compile_model: bool = False):
         self.model = model
         self.device = cache.config.device
-        model.set_attn_implementation(hf_attention.ATTN_IMPLEMENTATION)
+        hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
         if compile_model:
             from .compile import compile_decoder_layers
 
@@ -32,12 +47,14 @@ class ModelRunner:
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():
-                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, -(-max_model_len // self.block_size))
+                self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, cdiv(max_model_len, self.block_size))
                 self.graphs.capture_all()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
-        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order.
+        """Compute every chunk's tokens; returns float32 logits [sampling chunks, vocab] in chunk order,
+        then (only when some chunk's request asked for prompt logprobs) one row per position in
+        prompt_logit_positions(chunks), in that order.
 
         sampled: the previous step's sampled tokens, still on the device (async scheduling). A
         chunk whose request has a pending_row ends with a placeholder; its input is
@@ -68,10 +85,11 @@ class ModelRunner:
                 raise ValueError(f"{len(fill_at)} chunks end with a placeholder token but no sampled tokens were given")
             fill = (sampled, self._tensor([fill_at, fill_rows], torch.int64))
         sample_at = [offsets[id(c)] + c.num_tokens - 1 for c in chunks if c.samples]
-        allocator = self.hf_cache.paged.allocator
-        tables = [allocator.block_table(c.request.request_id)[: -(-(c.start + c.num_tokens) // self.block_size)]
-                  for c in ordered]
-        if not prefill and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
+        prompt_at = [offsets[id(c)] + p - c.start for c, p in prompt_logit_positions(chunks)]
+        paged = self.hf_cache.paged
+        tables = [paged.block_table(c.request.request_id, c.start + c.num_tokens) for c in ordered]
+        sample_at += prompt_at  # never the same position: prompt ones precede each sampling one
+        if not prefill and not prompt_at and self.graphs is not None and self.graphs.size_for(len(decode)) is not None:
             logits = self.graphs.run(input_ids, positions, slots, tables, [p + 1 for p in positions], fill=fill)
             return self._pick(logits, sample_at).float()
         self.hf_cache.step = PackedStep(
@@ -115,7 +133,4 @@ class ModelRunner:
         return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":  # one pinned, non-blocking copy per tensor
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor
+        return to_device(torch.tensor(values, dtype=dtype), self.device)  # one pinned copy per tensor

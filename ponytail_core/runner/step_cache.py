@@ -5,7 +5,8 @@ matmuls): decode tokens first, one per row, then the prefill chunks end to end. 
 them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
 chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
 context. When no chunk has context (every chunk starts its sequence) they attend the step's own
-K/V instead (chunk_attention.py), without reading the blocks back.
+K/V instead (chunks.py), without reading the blocks back. On the torch path (the CPU) every row
+that reads the blocks goes through one plan per step (attention/torch_varlen.py), unpadded.
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
-from ..plugin.cache import PagedCacheBase
+from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
+from ..attention.torch_varlen import SlotWrites, TorchAttentionPlan, attention_torch_planned, plan_torch_attention
+from ..kernels import loader as kernel_loader
 
 
 @dataclass(slots=True)
@@ -61,22 +64,34 @@ class PackedStepCache(PagedCacheBase):
     def __init__(self, paged):
         super().__init__(paged)
         self.step: PackedStep | None = None
+        self._plan: TorchAttentionPlan | None = None  # the torch path's plan for `step`, built at layer 0
+        self._writes: SlotWrites | None = None  # ... and where its new K/V go
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         step = self.step
         if layer_idx == 0:
             self.check_model(module, query, key, sliding_window)
-        self.write_new_kv(layer_idx, key, value, step.slot_mapping)
+            self._plan = self._torch_plan(step)
+            self._writes = None if self._plan is None else SlotWrites(self.paged.storage, step.slot_mapping)
+        if self._writes is not None:
+            self._writes.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        else:
+            self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
         storage = self.paged.storage
+        chunks = step.prefill
+        self._awaiting_attention = None
+        if self._plan is not None and (chunks is None or chunks.runs is None):  # torch path, every row at once
+            return attention_torch_planned(storage, layer_idx, q_tok, self._plan, scale).unsqueeze(0)
         decode_out = None
         if step.decode is not None:
             rows = step.decode.rows
-            q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
-            decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens,
-                                         None, scale)[:, :, 0]
-        chunks = step.prefill
-        self._awaiting_attention = None
+            if self._plan is not None:
+                decode_out = attention_torch_planned(storage, layer_idx, q_tok[:rows], self._plan, scale)
+            else:
+                q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
+                decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables,
+                                             step.decode.seq_lens, None, scale)[:, :, 0]
         if chunks is None:
             return decode_out.unsqueeze(0)
         if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
@@ -91,3 +106,27 @@ class PackedStepCache(PagedCacheBase):
                                              chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale)
         out = prefill_out if decode_out is None else torch.cat([decode_out, prefill_out])
         return out.unsqueeze(0)  # [1, N, Hq, D]
+
+    def _torch_plan(self, step: PackedStep) -> TorchAttentionPlan | None:
+        """On the torch path (the CPU), one plan for the step's rows that read the blocks: the decode
+        rows, and the prefill chunks unless none has context (those attend their own K/V).
+        None on the kernel paths."""
+        storage = self.paged.storage
+        if kernel_loader.choose(storage.device).use_custom:
+            return None
+        counts: list[int] = []
+        lengths: list[int] = []
+        tables: list[list[int]] = []
+        if step.decode is not None:
+            counts += [1] * step.decode.rows
+            lengths += step.decode.seq_lens.tolist()
+            tables += step.decode.block_tables.tolist()
+        chunks = step.prefill
+        if chunks is not None and chunks.runs is None:
+            cu = chunks.cu_seq_q.tolist()
+            counts += [b - a for a, b in zip(cu, cu[1:])]
+            lengths += chunks.seq_lens.tolist()
+            tables += chunks.block_tables.tolist()
+        kernel_loader.log_choice("paged attention of an engine step",
+                                 kernel_loader.KernelChoice(False, "torch, unpadded (torch_varlen.py)"))
+        return plan_torch_attention(storage, counts, lengths, tables)

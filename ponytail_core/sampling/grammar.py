@@ -123,3 +123,16 @@ def token_bitmask(grammars: list[RequestGrammar | None], vocab_size: int
     for k, i in enumerate(rows):
         grammars[i].fill(bitmask, k)
     return rows, bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, words: torch.Tensor) -> None:
+    """-inf, in place, at every token a constrained row's grammar does not allow (no host sync).
+
+    rows: [c] int64 rows of `logits`; words: [c, ceil(vocab/32)] int32, bit t = token t allowed.
+    """
+    vocab = logits.shape[1]
+    if words.shape[1] * 32 < vocab:
+        raise ValueError(f"the grammar bitmask covers {words.shape[1] * 32} tokens; the logits have {vocab}")
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
+    logits.index_put_((rows,), logits[rows].masked_fill_(~allowed, float("-inf")))

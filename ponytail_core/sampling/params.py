@@ -89,6 +89,8 @@ class SamplingParams:
     ignore_eos: bool = False  # keep generating past EOS
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # top logprobs to return besides the sampled token's; None: none
+    prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top ones; None: none
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
 
@@ -120,9 +122,12 @@ class SamplingParams:
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
-        if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs,
-                                 f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                setattr(self, name, _int(name, getattr(self, name),
+                                         f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
+
+        self.logit_bias = self._check_logit_bias(self.logit_bias)
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             # The grammar allows only EOS once the JSON is complete: masking EOS (min_tokens) or
@@ -131,6 +136,22 @@ class SamplingParams:
                 if getattr(self, name) != off:
                     raise _invalid(name, getattr(self, name),
                                    f"{off} with structured_outputs (the output ends when the JSON does)")
+
+    @staticmethod
+    def _check_logit_bias(bias: object) -> dict[int, float] | None:
+        allowed = "None or a dict of token ids (integers >= 0) to biases in [-100, 100]"
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise _wrong_type("logit_bias", bias, allowed)
+        out = {}
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, Integral) or token < 0:
+                raise _invalid("logit_bias", bias, allowed)
+            if isinstance(value, bool) or not isinstance(value, Real) or not -100 <= value <= 100:
+                raise _invalid("logit_bias", bias, allowed)
+            out[int(token)] = float(value)
+        return out or None
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

@@ -6,7 +6,8 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> grammar mask (structured outputs) -> repetition/presence/frequency penalties -> greedy argmax, or
+Order (vLLM v1): min_tokens mask -> grammar mask (structured outputs) -> logit_bias ->
+repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1) noise).
 
 Logprobs follow vLLM's default (logprobs_mode="raw_logprobs"): they are log_softmax of the raw
@@ -24,6 +25,8 @@ from numbers import Integral
 import numpy as np
 import torch
 
+from ..utils.device import to_device
+from .grammar import apply_token_bitmask
 from .params import SamplingParams
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (row index, token id), flat, int64, on the device
@@ -36,15 +39,8 @@ def request_generator(params: SamplingParams, device: torch.device | str) -> tor
     return torch.Generator(device=device).manual_seed(params.seed)
 
 
-def _to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on device: pinned and copied without blocking when headed to CUDA."""
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
 def _tensor(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _to(torch.tensor(data, dtype=dtype), device)
+    return to_device(torch.tensor(data, dtype=dtype), device)
 
 
 def _pairs(ids: list[list[int]], device: torch.device) -> tuple[Pairs, int]:
@@ -54,7 +50,7 @@ def _pairs(ids: list[list[int]], device: torch.device) -> tuple[Pairs, int]:
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=sum(lengths))
     rows = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor(lengths))
     largest = int(flat.max()) if flat.size else -1
-    return (_to(rows, device), _to(torch.from_numpy(flat), device)), largest
+    return (to_device(rows, device), to_device(torch.from_numpy(flat), device)), largest
 
 
 @dataclass
@@ -81,6 +77,7 @@ class SamplingBatch:
     max_token_id: int  # largest token id indexed above; must be < vocab size
     grammar_rows: torch.Tensor | None = None  # [c] int64: rows constrained by a grammar
     grammar_bitmask: torch.Tensor | None = None  # [c, ceil(vocab/32)] int32: bit t = token t allowed
+    logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
 
     @classmethod
     def build(
@@ -108,61 +105,27 @@ class SamplingBatch:
             if len(value) != rows:
                 raise ValueError(f"{name} has {len(value)} rows; params has {rows}")
         greedy = [p.greedy for p in params]
-        sampled = [p for p, g in zip(params, greedy) if not g]
-
-        def column(values: list, dtype=torch.float32, shape=(-1,)) -> torch.Tensor:
-            return _tensor(values, dtype, device).view(shape)
-
-        def sampled_column(field: str, off: float, dtype=torch.float32) -> torch.Tensor | None:
-            """Per-row values of field (greedy rows hold off); None when every row is off."""
-            values = [off if g else getattr(p, field) for p, g in zip(params, greedy)]
-            return column(values, dtype) if any(v != off for v in values) else None
-
-        def penalty_column(field: str, off: float) -> torch.Tensor | None:
-            values = [getattr(p, field) for p in params]
-            return column(values, shape=(-1, 1)) if any(v != off for v in values) else None
-
-        own = {}
-        for i, (p, gen, g) in enumerate(zip(params, generators, greedy)):
-            if p.seed is not None and gen is None:
-                raise ValueError(f"row {i} has seed={p.seed} but no generator; "
-                                 "pass request_generator(params, device), kept per request")
-            if gen is not None and not g:
-                if gen.device.type != device.type:
-                    raise ValueError(f"row {i}'s generator is on {gen.device}, not {device}")
-                own[i] = gen
-
-        repetition = penalty_column("repetition_penalty", 1.0)
-        presence = penalty_column("presence_penalty", 0.0)
-        frequency = penalty_column("frequency_penalty", 0.0)
-        prompt_pairs = output_pairs = mask_pairs = None
-        max_ids = [-1]  # largest token id of each id list scattered into the logits
-        if repetition is not None:
-            prompt_pairs, largest = _pairs(prompt_token_ids, device)
-            max_ids.append(largest)
-        if repetition is not None or presence is not None or frequency is not None:
-            output_pairs, largest = _pairs(output_token_ids, device)
-            max_ids.append(largest)
-        eos = ([] if eos_token_id is None else [int(eos_token_id)]
-               if isinstance(eos_token_id, Integral) else sorted(eos_token_id))
-        stops = [p.stop_token_ids + ([] if p.ignore_eos else eos)
-                 if len(out) < p.min_tokens else [] for p, out in zip(params, output_token_ids)]
-        if any(stops):
-            mask_pairs, largest = _pairs(stops, device)
-            max_ids.append(largest)
-
-        top_k = [0 if g else p.top_k for p, g in zip(params, greedy)]
+        num_sampled = greedy.count(False)
+        own = _own_generators(params, generators, greedy, device)
+        repetition = _penalty_column(params, "repetition_penalty", 1.0, device)
+        presence = _penalty_column(params, "presence_penalty", 0.0, device)
+        frequency = _penalty_column(params, "frequency_penalty", 0.0, device)
+        any_penalty = repetition is not None or presence is not None or frequency is not None
+        prompt_pairs, output_pairs, largest_seen = _history_pairs(
+            prompt_token_ids if repetition is not None else None, output_token_ids if any_penalty else None, device)
+        mask_pairs, largest_stop = _min_tokens_mask(params, output_token_ids, eos_token_id, device)
+        bias, largest_bias = _logit_bias(params, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             rows=rows,
-            greedy=column(greedy, torch.bool) if any(greedy) and sampled else None,
-            all_greedy=not sampled,
-            temperature=column([1.0 if g else p.temperature for p, g in zip(params, greedy)])
-            if sampled else None,
-            min_p=sampled_column("min_p", 0.0),
-            top_k=sampled_column("top_k", 0, torch.int64),
-            max_top_k=max(top_k, default=0),
-            top_p=sampled_column("top_p", 1.0),
+            greedy=_column(greedy, device, torch.bool) if any(greedy) and num_sampled else None,
+            all_greedy=not num_sampled,
+            temperature=_column([1.0 if g else p.temperature for p, g in zip(params, greedy)], device)
+            if num_sampled else None,
+            min_p=_sampled_column(params, greedy, "min_p", 0.0, device),
+            top_k=_sampled_column(params, greedy, "top_k", 0, device, torch.int64),
+            max_top_k=max((0 if g else p.top_k for p, g in zip(params, greedy)), default=0),
+            top_p=_sampled_column(params, greedy, "top_p", 1.0, device),
             repetition_penalty=repetition,
             presence_penalty=presence,
             frequency_penalty=frequency,
@@ -170,12 +133,83 @@ class SamplingBatch:
             output_tokens=output_pairs,
             min_tokens_mask=mask_pairs,
             generators=own,
-            any_unseeded=len(own) < len(sampled),
+            any_unseeded=len(own) < num_sampled,
             max_logprobs=max(asked) if asked else None,
-            max_token_id=max(max_ids),
+            max_token_id=max(largest_seen, largest_stop, largest_bias),
             grammar_rows=None if token_bitmask is None else _tensor(token_bitmask[0], torch.int64, device),
-            grammar_bitmask=None if token_bitmask is None else _to(token_bitmask[1], device),
+            grammar_bitmask=None if token_bitmask is None else to_device(token_bitmask[1], device),
+            logit_bias=bias,
         )
+
+
+def _column(values: list, device: torch.device, dtype=torch.float32, shape=(-1,)) -> torch.Tensor:
+    return _tensor(values, dtype, device).view(shape)
+
+
+def _sampled_column(params: list[SamplingParams], greedy: list[bool], field: str, off: float,
+                    device: torch.device, dtype=torch.float32) -> torch.Tensor | None:
+    """Per-row values of a filter field (greedy rows hold `off`); None when every row is off."""
+    values = [off if g else getattr(p, field) for p, g in zip(params, greedy)]
+    return _column(values, device, dtype) if any(v != off for v in values) else None
+
+
+def _penalty_column(params: list[SamplingParams], field: str, off: float, device: torch.device) -> torch.Tensor | None:
+    """[rows, 1] values of a penalty field; None when every row has `off` (no penalty)."""
+    values = [getattr(p, field) for p in params]
+    return _column(values, device, shape=(-1, 1)) if any(v != off for v in values) else None
+
+
+def _own_generators(params: list[SamplingParams], generators: list[torch.Generator | None], greedy: list[bool],
+                    device: torch.device) -> dict[int, torch.Generator]:
+    """The sampled rows that draw from their own generator; a seeded row must bring one, on `device`."""
+    own = {}
+    for i, (p, gen, g) in enumerate(zip(params, generators, greedy)):
+        if p.seed is not None and gen is None:
+            raise ValueError(f"row {i} has seed={p.seed} but no generator; "
+                             "pass request_generator(params, device), kept per request")
+        if gen is not None and not g:
+            if gen.device.type != device.type:
+                raise ValueError(f"row {i}'s generator is on {gen.device}, not {device}")
+            own[i] = gen
+    return own
+
+
+def _history_pairs(prompt_token_ids: list[list[int]] | None, output_token_ids: list[list[int]] | None,
+                   device: torch.device) -> tuple[Pairs | None, Pairs | None, int]:
+    """The token histories penalties read, as pairs (None: not needed), and the largest id in them
+    (-1 if none): prompts for the repetition penalty only, outputs for any penalty."""
+    prompt_pairs = output_pairs = None
+    largest = -1
+    if prompt_token_ids is not None:
+        prompt_pairs, seen = _pairs(prompt_token_ids, device)
+        largest = max(largest, seen)
+    if output_token_ids is not None:
+        output_pairs, seen = _pairs(output_token_ids, device)
+        largest = max(largest, seen)
+    return prompt_pairs, output_pairs, largest
+
+
+def _logit_bias(params: list[SamplingParams], device: torch.device) -> tuple[tuple[Pairs, torch.Tensor] | None, int]:
+    """logit_bias as (row, token) pairs and their float32 values (None: no row has one), and the
+    largest biased token id (-1 if none)."""
+    if not any(p.logit_bias for p in params):
+        return None, -1
+    pairs, largest = _pairs([list(p.logit_bias or ()) for p in params], device)
+    values = [v for p in params for v in (p.logit_bias or {}).values()]
+    return (pairs, _tensor(values, torch.float32, device)), largest
+
+
+def _min_tokens_mask(params: list[SamplingParams], output_token_ids: list[list[int]],
+                     eos_token_id: int | Collection[int] | None, device: torch.device) -> tuple[Pairs | None, int]:
+    """Stop and EOS tokens of the rows still short of min_tokens, as pairs (None: no such row),
+    and the largest id among them (-1 if none)."""
+    eos = ([] if eos_token_id is None else [int(eos_token_id)]
+           if isinstance(eos_token_id, Integral) else sorted(eos_token_id))
+    stops = [p.stop_token_ids + ([] if p.ignore_eos else eos)
+             if len(out) < p.min_tokens else [] for p, out in zip(params, output_token_ids)]
+    if not any(stops):
+        return None, -1
+    return _pairs(stops, device)
 
 
 @dataclass
@@ -186,7 +220,6 @@ class SamplerOutput:
     logprobs: torch.Tensor  # [rows] float32, log_softmax(raw logits) at the chosen token
     top_logprobs: Pairs | None  # ([rows, k] float32 values, [rows, k] int64 ids) of the raw
     # distribution, k = batch.max_logprobs (rows slice their own count); None when none asked
-    ranks: torch.Tensor | None  # [rows] int64, 1-based rank of the chosen token; with top_logprobs
     bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf
 
     def to_host(self, with_logprobs: bool) -> HostSamples:
@@ -227,20 +260,6 @@ class HostSamples:
         """Block until the copies have landed (the step's one host sync)."""
         if self.copied is not None:
             self.copied.synchronize()
-
-
-def apply_grammar(logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """-inf, in place, at every token a constrained row's grammar does not allow (no host sync)."""
-    if batch.grammar_rows is None:
-        return
-    vocab = logits.shape[1]
-    words = batch.grammar_bitmask
-    if words.shape[1] * 32 < vocab:
-        raise ValueError(f"the grammar bitmask covers {words.shape[1] * 32} tokens; the logits have {vocab}")
-    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab].bool()
-    rows = batch.grammar_rows
-    logits.index_put_((rows,), logits[rows].masked_fill_(~allowed, float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -326,7 +345,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         top = (values - log_norm.unsqueeze(1), ids)
     if batch.min_tokens_mask is not None:
         x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
-    apply_grammar(x, batch)
+    if batch.grammar_rows is not None:
+        apply_token_bitmask(x, batch.grammar_rows, batch.grammar_bitmask)
+    if batch.logit_bias is not None:  # before penalties, as vLLM's logits processors
+        x.index_put_(batch.logit_bias[0], batch.logit_bias[1], accumulate=True)
     apply_penalties(x, batch)
 
     if batch.all_greedy:
@@ -340,6 +362,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
             tokens = torch.where(batch.greedy, greedy_tokens, tokens)
 
     chosen = logits.gather(1, tokens.unsqueeze(1))
-    ranks = (logits > chosen).sum(dim=-1) + 1 if top is not None else None
     return SamplerOutput(token_ids=tokens, logprobs=chosen.squeeze(1).float() - log_norm,
-                         top_logprobs=top, ranks=ranks, bad_rows=bad_rows)
+                         top_logprobs=top, bad_rows=bad_rows)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, float]]:
+    """Per row of logits [rows, vocab] (positions of prompts): {token id: logprob} of the prompt
+    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens.
+
+    Raw log_softmax in float32, as the sampled tokens' logprobs (vLLM's raw_logprobs). Reads the
+    results back: only requests that asked for prompt logprobs pay that host sync.
+    """
+    if logits.shape[0] != len(next_token_ids) or len(top) != len(next_token_ids):
+        raise ValueError(f"logits have {logits.shape[0]} rows; next_token_ids has {len(next_token_ids)}, "
+                         f"top has {len(top)}")
+    logprobs = logits.float().log_softmax(dim=-1)
+    targets = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(top, default=0), logprobs.shape[1])
+    values, ids = (logprobs.topk(k, dim=-1) if k else (None, None))
+    values = values.tolist() if k else None
+    ids = ids.tolist() if k else None
+    entries = []
+    for row, (token, logprob) in enumerate(zip(next_token_ids, chosen)):
+        entry = {token: logprob}
+        for index in range(top[row]):
+            entry.setdefault(ids[row][index], values[row][index])
+        entries.append(entry)
+    return entries

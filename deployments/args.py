@@ -1,0 +1,200 @@
+"""The app's arguments: one typed, validated definition for app.yaml, `serve run` and the CLI.
+
+A pydantic model because Serve converts an application's arguments only for pydantic: `serve run
+deployments.app:build max_replicas=2` passes the string "2", which validation turns into 2.
+`ponytail serve` makes one flag per field (`--max-replicas`), its help and default from here.
+Unknown names are refused, so a typo is an error rather than a silently ignored argument.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import ClassVar
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
+
+from .http_guard import API_KEY_ENV, AccessPolicy
+from .limits import RequestLimits
+
+ROUTERS = {
+    "kv_blocks": "deployments.router:KVBlockRouter",
+    "prefix": "deployments.prefix_router:PrefixAffinityRouter",  # kv_blocks plus prefix-cache affinity
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
+}
+DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name in the API
+
+
+class AppArgs(BaseModel):
+    """The `args:` of app.yaml (all optional); `description` is the CLI's help for each."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True, populate_by_name=True)
+
+    model: str | None = Field(None, description="a local checkpoint directory, a .gguf file or a hub id "
+                              "(ORG/NAME, through the hub cache); unset: the embedded SmolLM2-135M-Instruct")
+    served_model_name: str | None = Field(
+        None, validation_alias=AliasChoices("served_model_name", "model_id"),  # model_id: its older name
+        description="the name clients put in \"model\"; unset: the hub id, the directory's name, "
+                    f"or {DEFAULT_SERVED_NAME}")
+    device: str = Field("auto", description="auto | cuda | cpu: auto takes one GPU per replica when the "
+                        "cluster has GPUs")
+    kv_cache_memory: int | str | None = Field(None, description="KV cache per replica, bytes or \"4GiB\"; "
+                                              "unset: what the device has free (2 GiB on a CPU)")
+    gpu_memory_utilization: float | None = Field(
+        None, description="per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the "
+                          "replica's num_gpus, so 0.45 puts two replicas on one GPU; excludes kv_cache_memory")
+    max_num_seqs: int = Field(64, description="sequences one replica runs at once")
+    max_model_len: int | None = Field(None, description="longest prompt + output in tokens; unset: "
+                                      "the model's")
+    block_size: int = Field(DEFAULT_BLOCK_SIZE, description="tokens per KV block")
+    min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
+    max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
+    target_ongoing_requests: float = Field(16, description="requests per replica the autoscaler aims at")
+    max_queued_requests: int = Field(256, description="requests waiting for a replica (router hold included); "
+                                     "beyond this: 503")
+    max_ongoing_requests: int | None = Field(None, description="per replica, running + queued in its engine; "
+                                             "unset: 2 x max_num_seqs")
+    retry_after_s: float = Field(1.0, description="the Retry-After of a 503, seconds")
+    shutdown_timeout_s: float = Field(10.0, description="on shutdown engine replicas finish their streams for "
+                                      "this long, then every open stream gets an error event and [DONE]")
+    stats_period_s: float = Field(0.2, description="how often replicas report free KV blocks to the "
+                                  "router, seconds")
+    router: str = Field("kv_blocks", description="kv_blocks (deployments.router) | prefix "
+                        "(deployments.prefix_router: kv_blocks plus prefix-cache affinity) | power_of_two "
+                        "(Serve's default, to compare)")
+    max_hold_s: float = Field(10.0, description="kv_blocks: longest wait in the router while no replica "
+                              "has room, seconds (0: never)")
+    prefix_weight: float = Field(2.0, description="prefix: what a fully cached prompt weighs against pool "
+                                 "use and load (each 0-1); 0: no affinity")
+    compile_model: bool = Field(False, description="torch.compile the decoder layers: ~21% more decode "
+                                "tokens/s on a 7B (H200), slower start")
+    stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
+                                     "(first token and end not held)")
+    api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
+                                f"{API_KEY_ENV} from the environment, else no key")
+    cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
+                                    "none: no CORS headers")
+    max_body_bytes: int = Field(4 << 20, description="request bodies beyond this get 413")
+    max_prompt_tokens: int | None = Field(None, description="longest prompt in tokens; unset: the context "
+                                          "(max_model_len)")
+    max_output_tokens: int | None = Field(None, description="the largest max_tokens; unset: the context")
+    max_n: int = Field(1, description="the largest n (choices per request)")
+    max_stop: int = Field(16, description="stop strings per request")
+    max_stop_chars: int = Field(256, description="characters per stop string")
+
+    # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
+    ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
+                                                "block_size", "compile_model", "stream_interval_s",
+                                                "gpu_memory_utilization", "max_prompt_tokens")
+    LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
+                                               "max_stop", "max_stop_chars")  # RequestLimits
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device={value!r} is not supported; allowed: auto, cuda, cpu")
+        return value
+
+    @field_validator("router")
+    @classmethod
+    def _router(cls, value: str) -> str:
+        if value not in ROUTERS:
+            raise ValueError(f"router={value!r} is not supported; allowed: {', '.join(ROUTERS)}")
+        return value
+
+    @field_validator("compile_model", mode="before")
+    @classmethod
+    def _compile_model(cls, value: object) -> object:
+        # pydantic would take "yes" or 1 as true; keep app.yaml's booleans booleans ("true" from the
+        # command line included, as pydantic reads it).
+        if not isinstance(value, bool) and str(value).lower() not in ("true", "false"):
+            raise ValueError(f"compile_model={value!r} is not supported; allowed: true, false")
+        return value
+
+    @field_validator("max_hold_s")
+    @classmethod
+    def _max_hold(cls, value: float) -> float:
+        if not is_seconds(value):
+            raise ValueError(f"max_hold_s={value:g} is not supported; allowed: seconds >= 0 (0: never hold)")
+        return value
+
+    @field_validator("prefix_weight")
+    @classmethod
+    def _prefix_weight(cls, value: float) -> float:
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"prefix_weight={value:g} is not supported; allowed: a number >= 0 (0: no affinity)")
+        return value
+
+    @field_validator("stream_interval_s")
+    @classmethod
+    def _stream_interval(cls, value: float) -> float:
+        if not is_seconds(value, most=1):
+            raise ValueError(f"stream_interval_s={value:g} is not supported; allowed: seconds from 0 to 1 "
+                             "(0: a message per engine step)")
+        return value
+
+    @field_validator("max_num_seqs", "block_size", "max_queued_requests", "max_model_len")
+    @classmethod
+    def _positive(cls, value: int | None, info) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"{info.field_name}={value} is not supported; allowed: an integer >= 1")
+        return value
+
+    @field_validator("max_ongoing_requests")
+    @classmethod
+    def _max_ongoing(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"max_ongoing_requests={value} is not supported; allowed: an integer >= 1 or null "
+                             "(2 x max_num_seqs)")
+        return value
+
+    @field_validator("retry_after_s", "shutdown_timeout_s")
+    @classmethod
+    def _positive_seconds(cls, value: float, info) -> float:
+        if not is_seconds(value) or value <= 0:
+            raise ValueError(f"{info.field_name}={value:g} is not supported; allowed: seconds > 0")
+        return value
+
+    @field_validator("gpu_memory_utilization")
+    @classmethod
+    def _gpu_share(cls, value: float | None) -> float | None:
+        if value is not None and not 0 < value <= 1:
+            raise ValueError(f"gpu_memory_utilization={value:g} is not supported; allowed: a share of the GPU "
+                             "in (0, 1], or null")
+        return value
+
+    @model_validator(mode="after")
+    def _together(self) -> AppArgs:
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas}, max_replicas={self.max_replicas}: "
+                             "need 1 <= min_replicas <= max_replicas")
+        if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} and gpu_memory_utilization="
+                             f"{self.gpu_memory_utilization!r}: allowed: one of them")
+        self.limits()  # ValueError naming a bad limit
+        return self
+
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{name: getattr(self, name) for name in self.LIMIT_FIELDS})
+
+    def access(self) -> AccessPolicy:
+        """The HTTP gate's policy; the API key from the args, else from PONYTAIL_API_KEY."""
+        return AccessPolicy(api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
+                            cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes)
+
+    @property
+    def replica_max_ongoing_requests(self) -> int:
+        return self.max_num_seqs * 2 if self.max_ongoing_requests is None else self.max_ongoing_requests
+
+    def served_name(self) -> str:
+        """What clients put in "model": a hub id stays whole (clients load its tokenizer by it)."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_SERVED_NAME
+        if os.path.exists(os.path.expanduser(self.model)):
+            return os.path.basename(self.model.rstrip("/"))
+        return self.model

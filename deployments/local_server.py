@@ -1,0 +1,65 @@
+"""The OpenAI API over one engine replica in this process, without Ray: for tests through the
+official `openai` client that need real tokens, and for benchmarks/lm_eval_check.py --local."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import uvicorn
+
+from .openai_api import build_app
+from .replica import EngineReplica
+
+WAIT_S = 10.0
+
+
+class LocalBackend:
+    """openai_api's Backend over an EngineReplica called directly (what the Serve ingress does
+    through a handle)."""
+
+    def __init__(self, replica: EngineReplica):
+        self.replica = replica
+
+    async def model_info(self):
+        return await self.replica.model_info()
+
+    def stream(self, request):
+        return self.replica.generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        await self.replica.abort(request_id)
+
+    async def engine_stats(self):
+        return {"local": self.replica.llm.engine.stats()}
+
+    async def tokenize(self, prompt, messages):
+        return await self.replica.tokenize(prompt, messages)
+
+    async def detokenize(self, token_ids):
+        return await self.replica.detokenize(token_ids)
+
+
+@contextmanager
+def local_server(port: int = 0, **replica_args):
+    """Yields (replica, base url) of the API on 127.0.0.1 (port 0: a free one); the replica's
+    defaults: the default model on the CPU, 64 MiB of KV cache."""
+    replica = EngineReplica(**{"device": "cpu", "kv_cache_memory": "64MiB", "max_num_seqs": 8,
+                               "max_model_len": 1024, **replica_args})
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", port))
+    config = uvicorn.Config(build_app(LocalBackend(replica)), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield replica, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=WAIT_S)
+        sock.close()

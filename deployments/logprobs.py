@@ -1,0 +1,42 @@
+"""The engine's logprob entries ({token id: logprob}) as TokenLogprobs with text, on the replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import TokenLogprob
+
+
+class TokenTexts:
+    """Each token id decoded on its own (what OpenAI's `tokens` hold), memoized: logprob responses
+    repeat the same few thousand ids, and decode() is the costly part."""
+
+    def __init__(self, tokenizer: Any, limit: int = 1 << 16):
+        self.tokenizer = tokenizer
+        self.limit = limit
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._texts) < self.limit:
+                self._texts[token_id] = text
+        return text
+
+
+def token_logprob(texts: TokenTexts, token_id: int, entry: dict[int, float], top: int) -> TokenLogprob:
+    """One TokenLogprob from an engine entry: the chosen token's logprob and the `top` most likely.
+
+    The entry holds the chosen token and the top ones (the chosen one may be among them), so the
+    top ones are its `top` largest values: a chosen token outside them is less likely than each."""
+    ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
+    return TokenLogprob(token_id=token_id, token=texts(token_id), logprob=entry[token_id],
+                        top=[(i, texts(i), value) for i, value in ranked])
+
+
+def token_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, float] | None],
+                   top: int) -> list[TokenLogprob]:
+    """token_logprob per token; logprob None where the entry is None (the first prompt token)."""
+    return [TokenLogprob(token_id, texts(token_id), None, []) if entry is None
+            else token_logprob(texts, token_id, entry, top) for token_id, entry in zip(token_ids, entries)]

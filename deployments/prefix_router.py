@@ -1,0 +1,179 @@
+"""PrefixAffinityRouter: KVBlockRouter that also weighs the prompt tokens a replica has cached."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
+
+import ponytail
+
+from .prefix_index import PrefixIndex
+from .prompts import prompt_token_ids
+from .protocol import STAT_CACHED_BLOCKS, GenerateRequest
+from .router import KVBlockRouter, Placement, Report, blocks_needed, read_report, request_tokens
+
+logger = logging.getLogger(__name__)
+
+
+class PrefixAffinityRouter(KVBlockRouter):
+    """KVBlockRouter's tiers, hold queue and block reservations, plus prefix-cache affinity.
+
+    Each replica publishes the hashes of the prefix blocks it stores and drops (prefix_publisher.py);
+    this router keeps them per replica (prefix_index.py) with the prompts it sent there itself. A
+    request's prompt is hashed the way the engine's block allocator chains it
+    (ponytail.prefix_block_hashes, capped at len(prompt) - 1 tokens as the engine admits it), so
+    `hits`, its leading blocks found in a replica's index, is the engine's prefix hit there. Then:
+
+    - need = blocks of (prompt + max_tokens) - hits: cached blocks are not taken again, so a
+      replica that holds the prefix fits requests the free-block count alone would call too big,
+      and the reservation is need;
+    - evicts = need beyond the replica's free blocks that hold no cached prefix (cached_blocks):
+      those blocks push other prefixes out of its cache;
+    - affinity = PREFIX_WEIGHT * (hits - evicts) / blocks of (prompt + max_tokens), taken off the
+      score (pool share in use + load share, lower first). A request that would evict more than
+      it gains has negative affinity and goes elsewhere unless every replica evicts as much.
+
+    The score's other two terms each run from 0 to 1, so at PREFIX_WEIGHT 2 a request whose
+    blocks are nearly all cached on one replica goes there unless that replica is both the fullest
+    and the busiest; a shared system prompt cached everywhere weighs the same on each replica and
+    load decides. Stale reports still count as KVBlockRouter says (tier 2, by queue length): the
+    index is a hint, and a wrong one costs a recomputed prefix, never a failed request.
+
+    Prompts sent as token ids are hashed as they are. Chat messages and text are tokenized here
+    with the engine's tokenizer, once per request (loaded when Ray builds the router, `model` kwarg:
+    None for the default model; where it cannot be loaded they route on blocks and load alone).
+
+        RequestRouterConfig(request_router_class="deployments.prefix_router:PrefixAffinityRouter",
+                            request_router_kwargs={"prefix_weight": 2.0, "model": None})
+    """
+
+    PREFIX_WEIGHT = 2.0
+    """How much a fully cached request is worth, in units of the score's pool-share and load terms."""
+
+    _HASHES = "ponytail_prompt_hashes"  # attribute on a request's routing_context: (block_size, hashes, tokens)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.prefix_weight = self.PREFIX_WEIGHT
+        self.tokenizer: Any = None
+        self._tokenizer_model: str | None = None
+        self._indexes: dict[ReplicaID, PrefixIndex] = {}
+
+    def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
+                         tokenize: bool = True, tokenizer: Any = None, **rest):
+        """Takes KVBlockRouter's request_router_kwargs and prefix_weight (>= 0; 0 ranks like
+        KVBlockRouter with cached blocks not counted twice), model (whose tokenizer to load),
+        tokenize (False: hash token-id prompts only), tokenizer (tests: one already loaded)."""
+        super().initialize_state(**rest)
+        if prefix_weight is not None:
+            number = isinstance(prefix_weight, (int, float)) and not isinstance(prefix_weight, bool)
+            if not (number and math.isfinite(prefix_weight) and prefix_weight >= 0):
+                raise ValueError(f"request_router_kwargs prefix_weight={prefix_weight!r}; expected a number >= 0")
+            self.prefix_weight = float(prefix_weight)
+        if not isinstance(tokenize, bool):
+            raise ValueError(f"request_router_kwargs tokenize={tokenize!r}; expected true or false")
+        self._tokenizer_model, self.tokenizer = model, tokenizer
+        if tokenize and tokenizer is None:
+            # Here, once: Ray builds the router at a handle's first call, which waits the second or
+            # two this takes; every chat or text prompt after it is hashed as the engine will run it.
+            self._load_tokenizer()
+
+    # ------------------------------------------------------------------ the prompt
+    def prompt_hashes(self, pending_request: PendingRequest | None, block_size: int) -> tuple[list[int], int] | None:
+        """(the prompt's block hashes as the engine chains them, its exact tokens + max_tokens);
+        None when the prompt's token ids are not known (not a generate call, tokenizer not loaded)."""
+        if pending_request is None:
+            return None
+        context = pending_request.routing_context
+        cached = getattr(context, self._HASHES, None)
+        if cached is not None and cached[0] == block_size:
+            return cached[1], cached[2]
+        args = pending_request.args
+        request = args[0] if args else None
+        if not isinstance(request, GenerateRequest):
+            return None
+        ids = self._token_ids(request)
+        tokens = request_tokens(pending_request)
+        if ids is None or tokens is None:
+            return None
+        tokens += len(ids) - request.num_prompt_tokens_hint()  # the hint's guess replaced by the count
+        hashes = ponytail.prefix_block_hashes(ids, block_size, max_cached_tokens=len(ids) - 1)
+        setattr(context, self._HASHES, (block_size, hashes, tokens))
+        return hashes, tokens
+
+    def _token_ids(self, request: GenerateRequest) -> list[int] | None:
+        if isinstance(request.prompt, list) and request.messages is None:
+            return request.prompt
+        if self.tokenizer is None:  # none could be loaded here: size and load decide
+            return None
+        try:
+            return prompt_token_ids(self.tokenizer, request)
+        except Exception:  # malformed messages: the replica reports the error; route it on size alone
+            return None
+
+    def _load_tokenizer(self) -> None:
+        try:
+            self.tokenizer = ponytail.load_tokenizer(self._tokenizer_model)
+        except Exception as exc:  # the app still serves; chat and text prompts lose their affinity only
+            logger.warning("prefix router: no tokenizer for model %r (%s); chat and text prompts route without "
+                           "prefix affinity", self._tokenizer_model, exc)
+
+    # ------------------------------------------------------------------ the ranking
+    def _placement(self, replica: RunningReplica, report: Report, free: int, tokens: int | None,
+                   pending_request: PendingRequest | None) -> Placement:
+        prompt = self.prompt_hashes(pending_request, report.block_size)
+        if prompt is None:
+            return super()._placement(replica, report, free, tokens, pending_request)
+        hashes, tokens = prompt
+        total = blocks_needed(tokens, report.block_size)
+        hits = min(self.index(replica).match(hashes), total - 1)
+        need = total - hits
+        cached_blocks = _cached_blocks(replica.routing_stats)
+        evicts = max(0, need - max(0, free - cached_blocks))
+        return Placement(need=need, affinity=self.prefix_weight * (hits - evicts) / total)
+
+    def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
+        replica = self._replicas.get(replica_id)
+        prompt = self.prompt_hashes(pending_request, report.block_size) if report is not None else None
+        if prompt is None or replica is None:
+            return super()._reserved_blocks(pending_request, replica_id, report)
+        hashes, tokens = prompt
+        index = self.index(replica)
+        total = blocks_needed(tokens, report.block_size)
+        hits = min(index.match(hashes), total - 1)
+        index.add(hashes)  # there once prefilled: the next request with this prefix sees it at once
+        return total - hits
+
+    def index(self, replica: RunningReplica) -> PrefixIndex:
+        """The replica's prefix index, with the events of its latest report applied."""
+        index = self._indexes.get(replica.replica_id)
+        if index is None:
+            index = self._indexes[replica.replica_id] = PrefixIndex()
+        stats = replica.routing_stats
+        if stats:
+            report = read_report(stats)
+            index.apply_report(stats, report.total_blocks if report is not None else 0)
+        return index
+
+    # ------------------------------------------------------------------ replicas
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Ray calls this with every new report too: apply its events even when nothing routes."""
+        super().update_replicas(replicas)
+        for replica in replicas:
+            self.index(replica)
+        for replica_id in [rid for rid in self._indexes if rid not in self._replicas]:
+            del self._indexes[replica_id]
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._indexes.pop(replica_id, None)
+
+
+def _cached_blocks(stats: Any) -> int:
+    try:
+        return max(0, int(stats.get(STAT_CACHED_BLOCKS, 0)))
+    except (AttributeError, TypeError, ValueError):
+        return 0

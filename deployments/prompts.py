@@ -1,0 +1,28 @@
+"""A GenerateRequest's prompt as the token ids the engine will run: one function for the replica
+and the prefix-aware router, so the router hashes exactly the blocks the engine caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import GenerateRequest
+
+
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template applied with the generation prompt (and the tool definitions), as token ids."""
+    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    if hasattr(ids, "input_ids") or isinstance(ids, dict):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
+    """Token ids of the request's prompt: chat messages through the template, text as the engine
+    tokenizes it (special tokens added), token ids as given."""
+    if request.messages is not None:
+        return chat_token_ids(tokenizer, request.messages, request.tools)
+    if isinstance(request.prompt, list):
+        return list(request.prompt)
+    return list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])

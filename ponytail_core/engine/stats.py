@@ -1,0 +1,84 @@
+"""What the engine reports: `EngineStats`, and the running count of blocks its requests are promised.
+
+Serving reads these instead of the pool and the scheduler (vLLM's callers see
+`KVCacheManager.usage`, never the block pool): a replica admits a request where
+`admissible_blocks - promised_blocks` covers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..utils.arith import cdiv
+from .request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    total_blocks: int  # blocks the pool holds now
+    max_blocks: int  # the most blocks the pool may hold (its memory budget)
+    free_blocks: int  # allocatable now, evictable prefix blocks included
+    admissible_blocks: int  # free_blocks plus what the pool may still grow by
+    promised_blocks: int  # blocks queued and running requests will still take to reach prompt + max_tokens
+    used_blocks: int  # held by live requests
+    cached_blocks: int  # cached prefix blocks nobody holds (evictable, counted in free_blocks)
+    num_running: int
+    num_waiting: int
+    fragmentation: float
+    num_preemptions: int
+    num_defragmentations: int  # pool compactions that moved blocks
+    num_blocks_moved: int  # blocks those compactions copied
+    prefix_cache_queries: int  # prompt tokens admitted
+    prefix_cache_hits: int  # of those, served from cached blocks
+    allocated_bytes: int
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class BlockPromises:
+    """Blocks queued and running requests will still take to reach prompt + max_tokens.
+
+    A waiting request (new or preempted) is promised every block of prompt + max_tokens; a running
+    one those its tokens so far do not fill yet. The engine's thread keeps the total as requests
+    arrive, start, grow into a new block, are preempted and leave, so a report from another thread
+    reads one int instead of walking the scheduler's lists while they change.
+    """
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.total = 0
+        self._held: dict[str, int] = {}  # running request -> blocks its tokens fill, as counted
+
+    def need(self, request: Request) -> int:
+        """Blocks of the request's prompt + max_tokens."""
+        return cdiv(len(request.prompt_token_ids) + request.params.max_tokens, self.block_size)
+
+    def queued(self, request: Request) -> None:
+        """A request joins the waiting queue (new)."""
+        self.total += self.need(request)
+
+    def started(self, request: Request) -> None:
+        """A waiting request runs: the blocks its tokens fill are no longer promised."""
+        held = min(cdiv(request.num_tokens, self.block_size), self.need(request))
+        self._held[request.request_id] = held
+        self.total -= held
+
+    def grew(self, request: Request) -> None:
+        """A running request got a token (the engine's hot path: one division, one lookup)."""
+        held = cdiv(request.num_tokens, self.block_size)
+        counted = self._held[request.request_id]
+        if held > counted:
+            held = min(held, self.need(request))
+            self.total -= held - counted
+            self._held[request.request_id] = held
+
+    def preempted(self, request: Request) -> None:
+        """A running request goes back to the queue: it is promised all its blocks again."""
+        self.total += self._held.pop(request.request_id)
+
+    def left(self, request: Request, running: bool) -> None:
+        """A request leaves the scheduler (finished or aborted), from the running list or the queue."""
+        held = self._held.pop(request.request_id) if running else 0
+        self.total -= self.need(request) - held

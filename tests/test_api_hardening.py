@@ -1,0 +1,202 @@
+"""Hostile and oversize input against the OpenAI API (fake backend, no Ray): API keys, JSON-only
+bodies, body size, CORS, request limits, OpenAI's ranges and roles, truncated echoes, Retry-After."""
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+try:
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
+
+from deployments.http_guard import AccessPolicy
+from deployments.limits import RequestLimits
+from deployments.openai_api import BackendUnavailable, build_app
+from test_openai_api import CHAT, MODEL, FakeBackend, assert_error
+
+KEY = "sk-test-0123456789"
+
+
+@contextmanager
+def serving(limits=None, policy=None):
+    """(backend, base url) of build_app(FakeBackend()) under uvicorn on a free loopback port."""
+    backend = FakeBackend()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(build_app(backend, limits, policy), log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield backend, f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=5)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    limits = RequestLimits(max_body_bytes=10_000, max_output_tokens=100, max_stop=4, max_stop_chars=20)
+    with serving(limits, AccessPolicy(api_key=KEY, max_body_bytes=limits.max_body_bytes)) as served:
+        yield served
+
+
+@pytest.fixture
+def http(guarded):
+    backend, url = guarded
+    backend.reset()
+    with httpx.Client(base_url=url, timeout=5, headers={"Authorization": f"Bearer {KEY}"}) as client:
+        yield client
+
+
+def test_api_key_is_required_on_every_v1_route_and_health_stays_open(guarded, http):
+    backend, url = guarded
+    with httpx.Client(base_url=url, timeout=5) as anonymous:
+        assert anonymous.get("/health").status_code == 200
+        for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"),
+                             ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
+                            {"Authorization": f"Basic {KEY}"}):
+                r = anonymous.request(method, path, headers=headers, json={"prompt": "hi"})
+                error = assert_error(r, 401, None, "a valid API key is required: send it as "
+                                                   "'Authorization: Bearer <key>'")
+                assert error["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+    assert backend.requests == []
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=5) as client:
+        assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0, timeout=5) as client:
+        with pytest.raises(openai.AuthenticationError, match="a valid API key is required"):
+            client.models.list()
+
+
+def test_only_json_bodies_are_taken(http, guarded):
+    r = http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
+    error = assert_error(r, 415, None, "Content-Type 'text/plain' is not supported; allowed: application/json")
+    assert error["code"] == "unsupported_media_type"
+    r = http.post("/v1/completions", content=b'{"prompt": "hi"}',
+                  headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 200
+    assert guarded[0].requests and len(guarded[0].requests) == 1
+
+
+def test_no_cors_headers_unless_origins_are_configured(http):
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"Origin": "https://evil.example"})
+    assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
+    r = http.options("/v1/completions", headers={"Origin": "https://evil.example",
+                                                 "Access-Control-Request-Method": "POST"})
+    assert "access-control-allow-origin" not in r.headers
+
+
+def test_configured_cors_origins_get_headers_and_others_do_not():
+    with serving(policy=AccessPolicy(cors_origins=["https://app.example"])) as (_, url):
+        with httpx.Client(base_url=url, timeout=5) as http:
+            preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+            ok = http.options("/v1/chat/completions", headers={"Origin": "https://app.example", **preflight})
+            assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
+            other = http.options("/v1/chat/completions", headers={"Origin": "https://evil.example", **preflight})
+            assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(http, guarded):
+    big = b'{"prompt": "' + b"a" * 20_000 + b'"}'
+    r = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})
+    error = assert_error(r, 413, None, "the body has 20014 bytes; allowed: at most 10000 (max_body_bytes)")
+    assert error["code"] == "request_too_large"
+
+    def chunked():  # no Content-Length: counted while it is read
+        yield b'{"prompt": "'
+        for _ in range(20):
+            yield b"a" * 1000
+        yield b'"}'
+
+    r = http.post("/v1/completions", content=chunked(), headers={"Content-Type": "application/json"})
+    assert_error(r, 413, None, "the body has more than 10000 bytes; allowed: at most 10000 (max_body_bytes)")
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * 9000 + b'", "max_tokens": 2}',
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert len(guarded[0].requests) == 1
+
+
+@pytest.mark.parametrize("body, param, message, code", [
+    ({"prompt": "hi", "n": 3}, "n", "n=3 is more than this server allows: at most 1 (max_n)", None),
+    ({"prompt": "hi", "stop": ["a"] * 5}, "stop", "stop has 5 strings; allowed: at most 4 (max_stop)", None),
+    ({"prompt": "hi", "stop": "x" * 21}, "stop",
+     "stop has a string of 21 characters; allowed: at most 20 (max_stop_chars)", None),
+    ({"prompt": "hi", "max_tokens": 101}, "max_tokens",
+     "max_tokens=101 is more than max_output_tokens allows: at most 100 (max_model_len=512)",
+     "context_length_exceeded"),
+    ({"prompt": list(range(513))}, "prompt", "prompt has 513 tokens; allowed: at most 512 (max_model_len=512)",
+     "context_length_exceeded"),
+])
+def test_limits_refuse_before_any_work(http, guarded, body, param, message, code):
+    error = assert_error(http.post("/v1/completions", json=body), 400, param, message)
+    assert error["code"] == code
+    assert guarded[0].requests == []
+
+
+def test_chat_limits_name_max_completion_tokens(http, guarded):
+    r = http.post("/v1/chat/completions", json={**CHAT, "max_completion_tokens": 1000})
+    assert_error(r, 400, "max_completion_tokens", "max_completion_tokens=1000 is more than max_output_tokens allows")
+    assert guarded[0].requests == []
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"messages": [{"role": "hacker", "content": "hi"}]}, "messages[0].role",
+     "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' (got 'hacker')"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content",
+     "messages[0].content: must be a string or a list of text parts (type 'text'); images, audio and null are "
+     "not supported (null only in an assistant message with tool_calls) (got None)"),
+    # tool calls (issue 18): an earlier call needs its function; tool_choice needs tools
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "x", "tool_calls": [{"id": "1", "type": "function"}]}]},
+     "messages[1].tool_calls[0].function", "messages[1].tool_calls[0].function: Field required"),
+    ({**CHAT, "tool_choice": "required"}, "tool_choice",
+     "tool_choice='required' is invalid without tools"),
+    ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options",
+     "stream_options: stream_options is only allowed with stream=true"),
+    ({**CHAT, "temperature": 1e30}, "temperature",
+     "temperature: Input should be less than or equal to 2 (got 1e+30)"),
+    ({**CHAT, "presence_penalty": -3}, "presence_penalty",
+     "presence_penalty: Input should be greater than or equal to -2 (got -3)"),
+])
+def test_openai_ranges_and_roles(http, guarded, body, param, message):
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param, message)
+    assert guarded[0].requests == []
+
+
+def test_echoed_input_is_truncated(http, guarded):
+    r = http.post("/v1/completions", json={"prompt": "hi", "model": "m" * 9_000})  # under max_body_bytes
+    error = assert_error(r, 404, "model", "the model 'mmmm", "'... (9000 characters) does not exist")
+    assert len(r.content) < 1000
+    r = http.get("/v1/models/" + "m" * 30_000)
+    assert r.status_code == 404 and len(r.content) < 1000
+    assert error["code"] == "model_not_found"
+
+
+def test_retry_after_follows_the_backend(http, guarded):
+    backend = guarded[0]
+    backend.fail, backend.fail_at = BackendUnavailable("all engine replicas are busy", retry_after_s=2.5), "first"
+    r = http.post("/v1/completions", json={"prompt": "hi"})
+    error = assert_error(r, 503, None, "all engine replicas are busy")
+    assert r.headers["retry-after"] == "3" and error["code"] == "service_unavailable"
+
+
+def test_limits_are_checked_when_built():
+    with pytest.raises(ValueError, match=r"max_stop=0 is not supported; allowed: an integer >= 1"):
+        RequestLimits(max_stop=0)
+    with pytest.raises(ValueError, match=r"max_prompt_tokens='4k' is not supported; allowed: an integer >= 1 or "
+                                         r"null \(the context\)"):
+        RequestLimits(max_prompt_tokens="4k")

@@ -1,0 +1,63 @@
+"""Another tenant takes most of the GPU after the engine started: the KV pool stops growing, the
+engine preempts instead of dying with torch.OutOfMemoryError, and outputs are unchanged."""
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import ponytail
+from ponytail import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+
+def small_model():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
+    model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # no greedy near-ties on random weights
+    return model
+
+
+def test_a_full_device_means_preemption_not_a_crash():
+    model = small_model()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(100, 300))] for _ in range(16)]
+    max_tokens = 400
+    expected = []
+    for p in prompts:
+        out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    # 64 KiB blocks of 16 tokens, chunks of 64 blocks (4 MiB): the workload needs ~10 chunks, the
+    # 256 MiB budget allows 64, so only the device can stop the pool.
+    llm = ponytail.LLM(model, kv_cache_memory="256MiB", max_num_seqs=16, max_model_len=1024,
+                       max_num_batched_tokens=512, kv_release_after_s=0)
+    cache = llm.engine.cache
+    warm = llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in warm] == [e[:4] for e in expected[:2]]
+    cache.maintain()  # start small (CUDA-graph capture grew the pool): only growth can make room now
+    assert cache.num_chunks <= 2, cache.num_chunks
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    leave = cache.device_headroom_bytes + 3 * cache.storage.chunk_bytes
+    filler = torch.empty(free - leave, dtype=torch.uint8, device="cuda")  # the other tenant
+    try:
+        assert torch.cuda.mem_get_info()[0] < leave + (64 << 20)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        stats = llm.stats()
+        print(f"device {total >> 20} MiB, left free {leave >> 20} MiB; pool {cache.num_chunks} of "
+              f"{cache.max_chunks} chunks; growth refused {cache.num_growth_failures} times; "
+              f"preemptions {stats.num_preemptions}")
+        assert cache.num_growth_failures > 0
+        assert stats.num_preemptions > 0
+        assert cache.num_chunks < 10
+        assert [o.token_ids for o in outputs] == expected
+        assert stats.used_blocks == 0 and cache.invariants() == []
+    finally:
+        del filler
+        torch.cuda.empty_cache()

@@ -1,0 +1,135 @@
+"""Lists of prompts, token-id prompts, logit_bias, system_fingerprint and x-request-id through the
+official openai client, on the real engine (CPU)."""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from deployments.local_server import local_server  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at"]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with local_server() as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            client.url = url
+            yield replica, client
+
+
+def test_a_list_of_prompts_and_of_token_id_lists_equals_one_request_each(served):
+    replica, client = served
+    args = dict(model=MODEL, max_tokens=4, temperature=0)
+    singles = [client.completions.create(prompt=p, **args) for p in PROMPTS]
+    batch = client.completions.create(prompt=PROMPTS, **args)
+    assert [c.index for c in batch.choices] == [0, 1, 2]
+    assert [c.text for c in batch.choices] == [s.choices[0].text for s in singles]
+    assert batch.usage.prompt_tokens == sum(s.usage.prompt_tokens for s in singles)
+    assert batch.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    ids = [replica.tokenizer(p)["input_ids"] for p in PROMPTS]
+    by_ids = client.completions.create(prompt=ids, **args)
+    assert [c.text for c in by_ids.choices] == [c.text for c in batch.choices]
+    one_by_ids = client.completions.create(prompt=ids[1], **args)
+    assert one_by_ids.choices[0].text == batch.choices[1].text
+    streamed = {}
+    for chunk in client.completions.create(prompt=PROMPTS, stream=True, stream_options={"include_usage": True},
+                                           **args):
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + choice.text
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == batch.usage.completion_tokens
+    assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
+
+
+def test_logit_bias_steers_the_tokens(served):
+    replica, client = served
+    args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
+    plain = client.completions.create(**args)
+    first = replica.tokenizer(plain.choices[0].text)["input_ids"][0]
+    banned = client.completions.create(**args, logit_bias={str(first): -100})
+    assert replica.tokenizer(banned.choices[0].text)["input_ids"][0] != first
+    forced = replica.tokenizer(" banana")["input_ids"][0]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          temperature=0, logit_bias={str(forced): 100})
+    assert chat.choices[0].message.content == " banana" * 3
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.completions.create(**args, logit_bias={"x": 1})
+
+
+def test_system_fingerprint_and_one_request_id_header(served):
+    _, client = served
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2)
+    out = raw.parse()
+    assert out.system_fingerprint.startswith("fp_")
+    assert len(raw.headers.get_list("x-request-id")) == 1 and raw.headers["x-request-id"] in out.id
+    chat = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_headers={"X-Request-Id": "abc"})
+    assert chat.headers.get_list("x-request-id") == ["abc"]
+    assert chat.parse().id == "chatcmpl-abc" and chat.parse().system_fingerprint == out.system_fingerprint
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=2, stream=True))
+    assert {c.system_fingerprint for c in chunks} == {out.system_fingerprint}
+
+
+def test_tokenize_detokenize_version_and_the_models_root(served):
+    import json
+    import urllib.error
+    import urllib.request
+
+    import ponytail
+    from transformers import AutoTokenizer
+
+    replica, client = served
+
+    def call(path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(client.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+    ids = replica.tokenizer(PROMPTS[0])["input_ids"]
+    assert call("/tokenize", {"prompt": PROMPTS[0]}) == (200, {"tokens": ids, "count": len(ids),
+                                                               "max_model_len": 1024})
+    status, chat = call("/tokenize", {"messages": [{"role": "user", "content": "Hi"}]})
+    assert status == 200 and chat["count"] > 3
+    assert call("/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPTS[0]})
+    status, error = call("/detokenize", {"tokens": [10**9]})
+    assert status == 400 and error["error"]["param"] == "tokens" and "outside the vocabulary" in error["error"]["message"]
+    status, error = call("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
+    assert status == 400 and "exactly one of prompt" in error["error"]["message"]
+    assert call("/version") == (200, {"version": ponytail.__version__})
+    model = client.models.list().data[0]
+    assert model.id == MODEL
+    # What clients such as guidellm do with it: load the tokenizer from there, and it is the engine's.
+    tokenizer = AutoTokenizer.from_pretrained(model.root)
+    assert tokenizer(PROMPTS[0])["input_ids"] == ids
+
+
+def test_metrics_on_the_api_port_in_prometheus_text(served):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, client = served
+    client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=2, temperature=0,
+                              extra_body={"ignore_eos": True})
+    with urllib.request.urlopen(client.url + "/metrics", timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/plain")
+        text = response.read().decode()
+    samples = {(s.name, s.labels.get("finished_reason")): s for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    for name in ("ponytail:prompt_tokens_total", "ponytail:generation_tokens_total",
+                 "ponytail:time_to_first_token_seconds_count", "ponytail:e2e_request_latency_seconds_count",
+                 "ponytail:kv_cache_usage_perc", "ponytail:num_requests_running", "ponytail:num_requests_waiting",
+                 "ponytail:num_preemptions_total", "ponytail:prefix_cache_queries_total"):
+        assert samples[(name, None)].labels["model_name"] == MODEL, name
+    assert samples[("ponytail:generation_tokens_total", None)].value >= 2
+    assert samples[("ponytail:request_success_total", "length")].value >= 1
+    assert samples[("ponytail:prefix_cache_queries_total", None)].value > 0

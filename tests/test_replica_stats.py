@@ -1,0 +1,97 @@
+"""What an engine replica reports to the KV-block router, read from the engine's own stats.
+
+The replica used to walk the scheduler's lists from the event loop's thread; now the engine keeps
+the count. These tests pin the numbers for a known engine state: free = admissible - promised.
+"""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ponytail import SamplingParams
+
+pytest.importorskip("ray.serve")
+
+from deployments.replica import EngineReplica  # noqa: E402
+
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # layers * (K, V) * kv_heads * head_dim * float32 * 4 tokens
+
+
+@pytest.fixture()
+def replica():
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128)
+    model = LlamaForCausalLM(config).eval()
+    # 64 blocks of 4 tokens (a 1-block chunk each); two requests run at once.
+    return EngineReplica(model, device="cpu", kv_cache_memory=64 * BLOCK_BYTES, max_num_seqs=2, max_model_len=64,
+                         block_size=4, model_id="random-llama")
+
+
+def walked(replica) -> tuple[int, int]:
+    """(free_blocks, total_blocks) as the replica computed them before the engine reported them:
+    from the pool's allocator and storage and the scheduler's lists."""
+    engine = replica.llm.engine
+    cache, scheduler, block_size = engine.cache, engine.scheduler, replica.info.block_size
+    promised = 0
+    for requests, running in ((list(scheduler.waiting), False), (list(scheduler.running), True)):
+        for r in requests:
+            need = -(-(len(r.prompt_token_ids) + r.params.max_tokens) // block_size)
+            held = -(-r.num_tokens // block_size) if running else 0
+            promised += max(0, need - held)
+    growable = (cache.max_chunks - cache.num_chunks) * cache.storage.chunk_blocks
+    return (max(0, cache.allocator.num_free + growable - promised),
+            cache.max_chunks * cache.storage.chunk_blocks)
+
+
+def routing(replica) -> tuple[int, int]:
+    stats = replica.record_routing_stats()
+    return stats["free_blocks"], stats["total_blocks"]
+
+
+def test_routing_stats_equal_the_walked_numbers_for_a_known_engine_state(replica):
+    engine = replica.llm.engine
+    greedy = dict(temperature=0, ignore_eos=True)
+    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=6, **greedy))  # A: 16 tokens, 4 blocks
+    engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=3, **greedy))  # B: 8 tokens, 2 blocks
+    engine.add_request(list(range(40, 47)), SamplingParams(max_tokens=9, **greedy))  # C: 16 tokens, 4 blocks
+    # Nothing ran yet: the pool holds one block of 64 and every request is promised all its blocks.
+    stats = replica.llm.stats()
+    assert (stats.max_blocks, stats.admissible_blocks, stats.promised_blocks) == (64, 64, 10)
+    assert routing(replica) == walked(replica) == (64 - 10, 64)
+
+    engine.step()  # A and B prefill (3 + 2 blocks) and sample a token each; C waits (max_num_seqs=2)
+    stats = replica.llm.stats()
+    assert (stats.total_blocks, stats.free_blocks, stats.admissible_blocks) == (5, 0, 59)
+    assert stats.promised_blocks == (4 - 3) + (2 - 2) + 4  # A holds 11 tokens' blocks, B 6's; C none
+    assert routing(replica) == walked(replica) == (59 - 5, 64)
+
+    engine.step()
+    engine.step()  # A reaches 13 tokens (a 4th block); B finishes, its 2 blocks are free again
+    stats = replica.llm.stats()
+    assert (stats.free_blocks, stats.admissible_blocks, stats.promised_blocks) == (2, 61, 0 + 4)
+    assert routing(replica) == walked(replica) == (61 - 4, 64)
+
+    while engine.has_unfinished():
+        engine.step()
+        assert routing(replica) == walked(replica)
+    assert replica.llm.stats().promised_blocks == 0 and routing(replica) == (64, 64)
+
+
+def test_free_blocks_never_go_below_zero(replica):
+    engine = replica.llm.engine
+    for i in range(8):  # 8 * 16 blocks promised, 64 in the pool
+        engine.add_request([10 + i] * 4, SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    stats = replica.llm.stats()
+    assert stats.admissible_blocks - stats.promised_blocks == 64 - 8 * 16
+    assert routing(replica) == walked(replica) == (0, 64)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    assert routing(replica) == (64, 64)
+
+
+def test_model_info_comes_from_public_llm_properties(replica):
+    info = replica.info
+    assert (info.model_id, info.max_model_len, info.block_size, info.device, info.device_uuid) == (
+        "random-llama", 64, 4, "cpu", None)
+    assert (replica.llm.max_model_len, replica.llm.block_size, str(replica.llm.device)) == (64, 4, "cpu")

@@ -1,0 +1,203 @@
+"""`ponytail serve` and the app's typed arguments: --help, bad flags, the README example through the
+real command, `serve run deployments.app:build key=value`, a hub id from a local hub cache. Loopback only."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+
+from deployments.args import AppArgs  # noqa: E402
+from hub_cache import HUB_ID, build_hub_cache, offline_env  # noqa: E402
+from ponytail.cli import main  # noqa: E402
+from serve_support import MODEL, free_port  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVE = str(Path(sys.executable).with_name("serve"))  # Ray's `serve` CLI, from this environment
+README_QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_help_lists_every_knob_with_its_default(capsys):
+    code, out, _ = run(capsys, "serve", "--help")
+    assert code == 0
+    text = " ".join(out.split())  # argparse wraps lines
+    for flag in ("--host", "--port", "--address", "--replicas", "MODEL"):
+        assert flag in text
+    for name, field in AppArgs.model_fields.items():
+        if name == "model":
+            continue
+        flag = "--" + name.replace("_", "-")
+        entry = re.search(rf"^  {flag}[ ,](.*?)(?=^  -|\Z)", out, re.MULTILINE | re.DOTALL)
+        assert entry is not None, f"{flag} is missing from --help"
+        shown = "unset" if field.default is None else str(field.default).lower() \
+            if isinstance(field.default, bool) else str(field.default)
+        assert f"(default: {shown})" in " ".join(entry.group(1).split()), flag
+    assert "--compile-model, --no-compile-model" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-replicas", "two"], "--max-replicas='two': Input should be a valid integer"),
+    (["--device", "tpu"], "--device: device='tpu' is not supported; allowed: auto, cuda, cpu"),
+    (["--kv-cache-memory", "lots"], "--kv-cache-memory: kv_cache_memory='lots' is not a byte size"),
+    (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs=0 is not supported; allowed: an integer >= 1"),
+    (["--min-replicas", "3"], "min_replicas=3, max_replicas=2: need 1 <= min_replicas <= max_replicas"),
+    (["--replicas", "2", "--max-replicas", "3"], "--replicas=2 sets --min-replicas and --max-replicas; "
+                                                 "allowed: --replicas alone, or --max-replicas without it"),
+    (["--stream-interval-s", "5"], "--stream-interval-s: stream_interval_s=5 is not supported"),
+])
+def test_bad_flags_name_the_argument_before_anything_starts(capsys, argv, message):
+    code, out, err = run(capsys, "serve", *argv)
+    assert (code, out) == (2, "")
+    assert err.startswith("ponytail: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_flags_become_typed_app_args():
+    from ponytail.serve_command import app_args
+
+    parser_args = ["serve", "org/model", "--replicas", "3", "--kv-cache-memory", "4GiB", "--compile-model",
+                   "--max-hold-s", "0", "--served-model-name", "mine"]
+    from ponytail.cli import _build_parser
+
+    settings = app_args(_build_parser().parse_args(parser_args))
+    assert (settings.model, settings.min_replicas, settings.max_replicas) == ("org/model", 3, 3)
+    assert (settings.kv_cache_memory, settings.compile_model, settings.max_hold_s) == ("4GiB", True, 0.0)
+    assert settings.served_name() == "mine"
+    assert app_args(_build_parser().parse_args(["serve"])) == AppArgs()  # unset flags: the model's defaults
+    assert AppArgs(model=HUB_ID).served_name() == HUB_ID  # a client loads the tokenizer by this name
+
+
+def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        content = log.read_text(errors="replace")
+        if text in content:
+            return content
+        if process.poll() is not None:
+            raise AssertionError(f"exited with {process.returncode} before {text!r}:\n{content[-4000:]}")
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} after {timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
+
+
+@pytest.mark.network  # the default model
+def test_ponytail_serve_answers_the_readme_example_and_stops_on_ctrl_c(default_model, tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:  # a file, not a pipe: Ray's logs must never block the server
+        process = subprocess.Popen([sys.executable, "-m", "ponytail.cli", "serve", "--port", str(port),
+                                    "--replicas", "1"], stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True, cwd=tmp_path)
+    try:
+        content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
+        assert f"ponytail: serving '{MODEL}' at http://127.0.0.1:{port}/v1" in content
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120,
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL]
+        chat = client.chat.completions.create(model=MODEL, temperature=0, messages=README_QUESTION)
+        assert chat.choices[0].message.content == "The capital of France is Paris."  # as README says
+
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+        assert process.wait(timeout=120) == 0
+        content = log.read_text(errors="replace")
+        assert "ponytail: stopping" in content and "ponytail: stopped" in content
+        assert "Traceback" not in content.split("ponytail: stopping")[1]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_serve_run_refuses_a_mistyped_argument_by_name():
+    done = subprocess.run([SERVE, "run", "deployments.app:build", "max_replicas=two"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert "max_replicas" in output and "Input should be a valid integer" in output and "'two'" in output
+
+
+@pytest.mark.network  # the default model, as a hub id
+def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(default_model, tmp_path,
+                                                                                 monkeypatch):
+    """`serve run deployments.app:build max_replicas=1 ...` (strings, as Serve's CLI passes them)
+    onto a running cluster whose replicas see only a local hub cache, offline; then `ponytail serve
+    --address` attached to that cluster."""
+    import ray
+    from ray import serve
+
+    from ponytail.models.loader import cache_dir
+
+    build_hub_cache(tmp_path / "hub", cache_dir() / "models" / "smollm2-135m-instruct")
+    for key, value in offline_env(tmp_path).items():
+        if key.startswith("HF_"):
+            monkeypatch.setenv(key, value)  # before ray.init: the cluster's workers inherit it
+    port = free_port()
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        args = [f"model={HUB_ID}", "min_replicas=1", "max_replicas=1", "device=cpu", "kv_cache_memory=256MiB",
+                "max_num_seqs=8", "max_model_len=2048", "compile_model=false", "stream_interval_s=0.02"]
+        done = subprocess.run([SERVE, "run", "--address", ray.get_runtime_context().gcs_address,
+                               "--non-blocking", "--name", "ponytail", "deployments.app:build", *args],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        status = serve.status().applications["ponytail"]
+        assert status.status == "RUNNING"
+        engine = status.deployments["EngineReplica"]
+        assert sum(engine.replica_states.values()) == 1
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120,
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == [HUB_ID]  # the hub id is the served name
+        chat = client.chat.completions.create(model=HUB_ID, temperature=0, messages=README_QUESTION)
+        assert chat.choices[0].message.content == "The capital of France is Paris."
+
+        # `ponytail serve --address` on the same running cluster: Ctrl-C takes off only its own app.
+        serve.delete("ponytail")
+        log = tmp_path / "attached.log"
+        with log.open("w") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "ponytail.cli", "serve", HUB_ID, "--address",
+                 ray.get_runtime_context().gcs_address, "--replicas", "1", "--device", "cpu",
+                 "--kv-cache-memory", "256MiB", "--max-num-seqs", "8", "--served-model-name", "smol"],
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+        try:
+            content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
+            assert "serving 'smol' at the HTTP address of the Serve already running there" in content
+            chat = client.chat.completions.create(model="smol", temperature=0, messages=README_QUESTION)
+            assert chat.choices[0].message.content == "The capital of France is Paris."
+            os.killpg(process.pid, signal.SIGINT)
+            assert process.wait(timeout=120) == 0
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        after = serve.status()
+        assert "ponytail" not in after.applications and after.proxies  # the cluster's Serve still runs
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_a_hub_id_not_in_the_cache_says_what_to_do(tmp_path):
+    """Offline with an empty hub cache: refused before Ray starts, with what to do."""
+    done = subprocess.run([sys.executable, "-m", "ponytail.cli", "serve", HUB_ID], env=offline_env(tmp_path),
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    err = " ".join(done.stderr.split())
+    assert err.startswith(f"ponytail: error: name_or_path='{HUB_ID}': this hub id is not in the hub cache "
+                          f"{tmp_path / 'hub'} and HF_HUB_OFFLINE=1 forbids downloading it")
+    assert f"`hf download {HUB_ID}`" in err and "unset HF_HUB_OFFLINE" in err
+    assert "Started a local Ray instance" not in done.stdout + done.stderr

@@ -1,0 +1,80 @@
+"""Overload and access through real Ray Serve (CPU): past the bounds on waiting work the API answers
+503 with Retry-After in OpenAI's shape, never 500; the API key guards every /v1 route."""
+
+import concurrent.futures
+
+import pytest
+
+pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+try:
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
+
+from serve_support import MODEL, replica_stats, running_app  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+
+KEY = "sk-serve-test"
+
+
+@pytest.fixture(scope="module")
+def app(default_model):
+    # One replica running at most 2 requests at a time, 2 more may wait for it: the rest are refused.
+    with running_app(min_replicas=1, max_replicas=1, max_num_seqs=2, max_ongoing_requests=2,
+                     max_queued_requests=2, retry_after_s=2, api_key=KEY) as (_, port):
+        yield f"http://127.0.0.1:{port}"
+
+
+def post(url, body, key=KEY):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=180)
+
+
+def test_overload_is_a_503_with_retry_after_never_a_500(app):
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 48, "temperature": 0.8, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=12) as pool:
+        responses = list(pool.map(lambda _: post(app, body), range(12)))
+    statuses = sorted(r.status_code for r in responses)
+    assert set(statuses) <= {200, 503}, [r.text for r in responses if r.status_code == 500]
+    assert statuses.count(200) >= 4 and statuses.count(503) >= 1, statuses
+    for r in responses:
+        if r.status_code == 503:
+            error = r.json()["error"]
+            assert error["type"] == "service_unavailable_error" and error["code"] == "service_unavailable"
+            assert error["message"].startswith("all engine replicas are busy (Request dropped due to backpressure "
+                                               "(num_queued_requests=2, max_queued_requests=2).); retry later")
+            assert r.headers["retry-after"] == "2"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 48
+    # Served again once the burst is over, and nothing was left holding blocks.
+    assert post(app, {**body, "max_tokens": 2}).status_code == 200
+    assert all(stats.used_blocks == 0 for stats in replica_stats(replicas=1).values())
+
+
+def test_streams_past_the_bound_get_a_503_before_any_event(app):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True}
+    extra = {"extra_body": {"ignore_eos": True}}
+    with openai.OpenAI(base_url=f"{app}/v1", api_key=KEY, max_retries=0, timeout=180) as client:
+        def run(_):
+            try:
+                return sum(1 for chunk in client.completions.create(**body, **extra) if chunk.choices and chunk.choices[0].text)
+            except openai.APIStatusError as exc:
+                return exc.status_code
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=10) as pool:
+            results = list(pool.map(run, range(10)))
+    refused = [r for r in results if r == 503]
+    assert refused and all(r == 503 or 0 < r <= 32 for r in results), results
+
+
+def test_the_api_key_is_checked_through_serve(app):
+    r = post(app, {"prompt": "hi", "max_tokens": 1}, key=None)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = post(app, {"prompt": "hi", "max_tokens": 1}, key="sk-wrong")
+    assert r.status_code == 401
+    assert httpx.get(f"{app}/health", timeout=30).status_code == 200
+    r = httpx.post(f"{app}/v1/completions", content=b"{}", headers={"Authorization": f"Bearer {KEY}",
+                                                                     "Content-Type": "text/plain"}, timeout=30)
+    assert r.status_code == 415

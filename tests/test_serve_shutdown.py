@@ -1,0 +1,47 @@
+"""Shutting the app down (CPU, real Serve) ends every open stream with an error event and [DONE]:
+engine replicas stop after shutdown_timeout_s, the ingress outlives them and closes each stream."""
+
+import json
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("ray.serve")
+pytest.importorskip("openai")  # serve_support drives the app with the openai client
+try:
+    import httpx2 as httpx
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
+
+from ray import serve  # noqa: E402
+
+from serve_support import MODEL, running_app  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+
+
+def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
+    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3) as (_, port):
+        body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        events, deleting = [], None
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 3:  # streaming: now take the app down under it
+                    started = time.monotonic()
+                    deleting = threading.Thread(target=serve.delete, args=("ponytail",), daemon=True)
+                    deleting.start()
+        ended_in = time.monotonic() - started
+        deleting.join(timeout=60)
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "service_unavailable"
+        assert error["message"] == ("the engine replica serving this request stopped (the server is shutting down "
+                                    "or the replica failed); retry later")
+        assert all("choices" in json.loads(e) for e in events[:-2])  # text until then
+        print(f"stream ended {ended_in:.1f} s after the delete began (engines' shutdown_timeout_s: 3)")
