@@ -11,8 +11,9 @@ from .protocol import GenerateRequest
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None) -> list[int]:
     """The chat template applied with the generation prompt (and the tool definitions), as token ids."""
-    ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=True,
-                                        return_dict=False)
+    extra = {"tools": tools} if tools else {}  # only when given: tokenizers without tool support keep working
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **extra)
     if hasattr(ids, "input_ids") or isinstance(ids, dict):
         ids = ids["input_ids"]
     return list(ids)
