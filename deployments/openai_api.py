@@ -58,6 +58,7 @@ from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 from .http_guard import AccessPolicy, install
 from .limits import LimitExceeded, RequestLimits
+from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
 
@@ -250,6 +251,10 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
+def _listed(chunks: BaseModel | list[BaseModel]) -> list[BaseModel]:
+    return chunks if isinstance(chunks, list) else [chunks]  # a tool-call format may send 0 or several
+
+
 def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
@@ -390,10 +395,13 @@ class _OpenAIServer:
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
             generates = to_generate_requests(req, base_id)
             request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
+            plan = plan_structured(req, generates[0]) if kind is ChatCompletionRequest else None  # one choice
             for generate in generates:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
                 request_id, info.model_id, system_fingerprint(info))
+            if plan is not None:
+                fmt = ToolCallFormat(fmt, plan)
             headers = {"X-Request-Id": base_id} if self.request_id_header else {}
             generations = [_Generation(self.backend, generate) for generate in generates]
             metrics, started = self.metrics(info), time.monotonic()
@@ -473,11 +481,13 @@ class _OpenAIServer:
             async for index, delta in _merged(generations, firsts):
                 text, items = _piece(delta)
                 if text or items:
-                    yield _sse(fmt.text(index, text, items))
+                    for chunk in _listed(fmt.text(index, text, items)):
+                        yield _sse(chunk)
                 if delta.finished:
                     lasts[index] = delta
                     on_finished(delta)
-                    yield _sse(fmt.finish(index, delta.finish_reason))
+                    for chunk in _listed(fmt.finish(index, delta.finish_reason)):
+                        yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage(Usage.of(sum(d.prompt_tokens for d in lasts.values()),
                                               sum(d.completion_tokens for d in lasts.values()))))

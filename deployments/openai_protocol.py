@@ -129,19 +129,84 @@ class TextPart(_Request):
     text: str
 
 
-class ChatMessageParam(_Request):
-    # "tool" messages answer tool calls, which this server does not make
-    role: Literal["system", "developer", "user", "assistant"]
-    # null is OpenAI's content for an assistant message that only calls tools: not supported here
-    content: Annotated[str | list[TextPart], _one_error(
-        "must be a string or a list of text parts (type 'text'); images, audio and null are not supported")]
-    tool_calls: Annotated[Unsupported, _unsupported(lambda v: v == [], "tool_calls")] = None
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
 
-    def to_dict(self) -> dict[str, str]:
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessageParam(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a role "tool" message: the call it answers
+    name: str | None = None
+    # after role and tool_calls, so its check sees them: null only in an assistant message that calls tools
+    content: Annotated[str | list[TextPart] | None, _one_error(
+        "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = Field(
+        default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_needed(cls, content, info: ValidationInfo):
+        if content is None and not (info.data.get("role") == "assistant" and info.data.get("tool_calls")):
+            raise PydanticCustomError("type_error", "must be a string or a list of text parts (type 'text'); "
+                                      "images, audio and null are not supported (null only in an assistant "
+                                      "message with tool_calls)")
+        return content
+
+    def to_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:  # templates with a tool format read these; deployments/tools.py fills content
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        for key in ("tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class JSONSchemaFormat(_Request):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(_Request):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ToolParam(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Annotated[Literal["none", "auto", "required"] | NamedToolChoice, _one_error(
+    "must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}")]
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -149,16 +214,26 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool | None = None  # each output token's logprob
     top_logprobs: int | None = None  # with logprobs: this many most likely tokens per position (0-20)
-    tools: Annotated[Unsupported, _unsupported(lambda v: v == [], "tools")] = None
-    tool_choice: Annotated[Unsupported, _unsupported(lambda v: v in ("none", "auto"),
-                                                     "tool_choice other than none or auto (no tools)")] = None
-    response_format: Annotated[Unsupported, _unsupported(
-        lambda v: isinstance(v, dict) and v.get("type") == "text", "response_format other than text")] = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None  # None: 'auto' when tools are given (refused: deployments/tools.py)
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's own structured-output fields: refused rather than ignored (use response_format / tools)
+    guided_json: Annotated[Unsupported, _unsupported(lambda v: False, "guided_json (use response_format)")] = None
+    guided_regex: Annotated[Unsupported, _unsupported(lambda v: False, "guided_regex")] = None
+    guided_choice: Annotated[Unsupported, _unsupported(lambda v: False, "guided_choice")] = None
+    guided_grammar: Annotated[Unsupported, _unsupported(lambda v: False, "guided_grammar")] = None
+    guided_decoding_backend: Annotated[Unsupported, _unsupported(lambda v: False, "guided_decoding_backend")] = None
+    structured_outputs: Annotated[Unsupported, _unsupported(
+        lambda v: False, "structured_outputs (use response_format or tools)")] = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
         if sampling_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
+        if sampling_name == "structured_outputs":  # set by deployments/tools.py from one of these
+            forced = self.tools and self.tool_choice not in (None, "none", "auto")
+            return "tools" if forced else "response_format"
         if sampling_name == "logprobs":
             return "top_logprobs"
         return "messages" if sampling_name == "prompt" else sampling_name
@@ -267,7 +342,8 @@ class CompletionChunk(Completion):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = _omit_if_none()
 
 
 class ChatChoice(BaseModel):
@@ -287,9 +363,22 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = _omit_if_none()  # only in a call's first delta
+    arguments: str | None = _omit_if_none()  # the next piece of the JSON text
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = _omit_if_none()  # only in a call's first delta
+    type: Literal["function"] | None = _omit_if_none()
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()  # only in the first chunk
     content: str | None = _omit_if_none()
+    tool_calls: list[ToolCallDelta] | None = _omit_if_none()
 
 
 class ChatChunkChoice(BaseModel):

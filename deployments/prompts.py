@@ -8,9 +8,12 @@ from typing import Any
 from .protocol import GenerateRequest
 
 
-def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """The chat template applied with the generation prompt, as token ids."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The chat template applied with the generation prompt (and the tool definitions), as token ids."""
+    extra = {"tools": tools} if tools else {}  # only when given: tokenizers without tool support keep working
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                        **extra)
     if hasattr(ids, "input_ids") or isinstance(ids, dict):
         ids = ids["input_ids"]
     return list(ids)
@@ -20,7 +23,7 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
     """Token ids of the request's prompt: chat messages through the template, text as the engine
     tokenizes it (special tokens added), token ids as given."""
     if request.messages is not None:
-        return chat_token_ids(tokenizer, request.messages)
+        return chat_token_ids(tokenizer, request.messages, request.tools)
     if isinstance(request.prompt, list):
         return list(request.prompt)
     return list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])

@@ -17,6 +17,7 @@ class GenerateRequest:
     prompt: str | list[int] | None = None  # text or token ids (completions)
     messages: list[dict[str, Any]] | None = None  # chat messages; the replica applies the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
+    tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
 

@@ -21,6 +21,7 @@ from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
+from .sampling.structured import StructuredOutputsParams  # noqa: E402
 from .utils.units import is_seconds  # noqa: E402
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "RequestDelta",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "Allocation",
     "CacheConfig",
     "CacheStats",

@@ -3,7 +3,8 @@
 One background task drives the engine; each step runs in a worker thread so the event loop stays
 responsive while the device works. The event loop never waits for a step: new requests, aborts
 and clean-ups are handed over through thread-safe deques and applied by the worker between steps.
-Requests are checked (and refused with ConfigError) on the caller's side before they are queued.
+Requests are checked (and refused with ConfigError) on the caller's side before they are queued;
+a structured-output request waits there for its grammar (compiled in its own thread, cached).
 With async scheduling (the default on CUDA) a step hands back the previous step's deltas while the
 new one runs on the device; an abort between steps drops the token still being sampled. A consumer
 that falls behind gets what waits for it as one delta (as vLLM's output collector merges them), so
@@ -96,6 +97,8 @@ class AsyncLLM:
         request = self.engine.prepare_request(prompt, params, request_id)
         if request.request_id in self._streams:
             raise ConfigError(f"request_id={request.request_id!r} is already in use")
+        if request.grammar_ready is not None:  # compiled in the grammar thread; ConfigError if it cannot be
+            await asyncio.wrap_future(request.grammar_ready)
         stream = _Stream()
         queue = stream.queue
         self._streams[request.request_id] = stream

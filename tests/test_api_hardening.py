@@ -138,17 +138,16 @@ def test_chat_limits_name_max_completion_tokens(http, guarded):
 
 @pytest.mark.parametrize("body, param, message", [
     ({"messages": [{"role": "hacker", "content": "hi"}]}, "messages[0].role",
-     "messages[0].role: Input should be 'system', 'developer', 'user' or 'assistant' (got 'hacker')"),
+     "messages[0].role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool' (got 'hacker')"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content",
      "messages[0].content: must be a string or a list of text parts (type 'text'); images, audio and null are "
-     "not supported (got None)"),
+     "not supported (null only in an assistant message with tool_calls) (got None)"),
+    # tool calls (issue 18): an earlier call needs its function; tool_choice needs tools
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "x", "tool_calls": [{"id": "1", "type": "function"}]}]},
-     "messages[1].tool_calls", "messages[1].tool_calls: tool_calls is not supported yet"),
-    ({"messages": [{"role": "tool", "content": "42", "tool_call_id": "1"}]}, "messages[0].role",
-     "Input should be 'system', 'developer', 'user' or 'assistant' (got 'tool')"),
+     "messages[1].tool_calls[0].function", "messages[1].tool_calls[0].function: Field required"),
     ({**CHAT, "tool_choice": "required"}, "tool_choice",
-     "tool_choice: tool_choice other than none or auto (no tools) is not supported yet"),
+     "tool_choice='required' is invalid without tools"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options",
      "stream_options: stream_options is only allowed with stream=true"),
     ({**CHAT, "temperature": 1e30}, "temperature",

@@ -151,3 +151,34 @@ def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 2
         assert message in result.stderr
+
+
+@pytest.mark.network
+def test_bench_structured_small_runs_both_batches_to_the_same_length(tmp_path):
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "structured.json"
+    run_script("bench_structured.py", "--small", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["constrained"] == 2 and report["requests"] == 4
+    assert report["runs"]["free"][0]["tokens"] == report["runs"]["mixed"][0]["tokens"] == 4 * 16
+
+
+@pytest.mark.gpu
+@pytest.mark.network
+def test_bench_structured_half_constrained_keeps_nine_tenths_of_the_throughput(tmp_path):
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "structured.json"
+    run_script("bench_structured.py", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["ratio"] >= 0.9, report  # the target, both runs measured here
+
+
+@pytest.mark.network
+def test_probe_grammar_backends_masks_every_valid_token(tmp_path):
+    pytest.importorskip("xgrammar")
+    pytest.importorskip("llguidance")
+    out = tmp_path / "probe.json"
+    run_script("probe_grammar_backends.py", "--json", str(out))  # raises if a mask refuses a valid token
+    report = json.loads(out.read_text())
+    for backend in ("xgrammar", "llguidance"):
+        assert all(report[backend][case]["terminated"] for case in ("nested", "tool_args", "json_object"))

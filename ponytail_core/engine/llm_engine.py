@@ -8,6 +8,11 @@ tokens, in the request and in the block allocator, before step N+1's blocks are 
 prefix cache; a request that stopped at step N (EOS, stop string, NaN logits, abort) drops its
 step N+1 token, and that row is ignored. Step N is read back before step N+1 is built when a
 row of it applied penalties or when the scheduler must preempt (see step()).
+
+A row with a grammar (structured outputs) needs step N's token in its matcher before its step
+N+1 mask exists: when step N+1 has such a row, its forward pass is launched first, step N is read
+back while it runs, and only then are the masks filled and step N+1 sampled. Free rows in the
+same batch lose nothing but that wait; the device stays busy with the forward pass meanwhile.
 """
 
 from __future__ import annotations
@@ -22,18 +27,20 @@ import torch
 from ..kv.config import CacheConfig
 from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from ..errors import ConfigError
-from ..runner.model_runner import ModelRunner, prompt_logit_positions
+from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
-from ..sampling.sampler import (HostSamples, SamplerOutput, SamplingBatch, prompt_logprobs, request_generator,
-                                sample)
+from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
+from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
 from .scheduler import Scheduler
+from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
 from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
+_IGNORED_ROW = SamplingParams(temperature=0)  # the row of a request that ended before its step sampled
 
 
 @dataclass(slots=True)
@@ -86,6 +93,9 @@ class LLMEngine:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.async_scheduling = async_scheduling
+        # Structured outputs compile in the compiler's own thread (it starts none until asked).
+        self.grammars = (GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
+                         if tokenizer is not None else None)
         self._in_flight: _Launched | None = None  # async scheduling: the step launched, not read back
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -98,7 +108,11 @@ class LLMEngine:
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
-        """Check, tokenize and queue a request; ConfigError names what is wrong."""
+        """Check, tokenize and queue a request; ConfigError names what is wrong.
+
+        With structured_outputs this waits for the grammar's compile (cached per schema) in the
+        caller's thread; AsyncLLM waits on its event loop instead, so no step ever waits.
+        """
         request = self.prepare_request(prompt, params, request_id)
         self.enqueue(request)
         return request
@@ -123,12 +137,20 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
         self.scheduler.check_fits(request)  # refuses what can never fit
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ConfigError("structured_outputs needs a tokenizer, but this engine has none "
+                                  "(tokenizer=None)")
+            request.grammar_ready = self.grammars.submit(params.structured_outputs)
         return request
 
     def enqueue(self, request: Request) -> None:
-        """Queue a prepared request (the engine's thread only)."""
+        """Queue a prepared request (the engine's thread only). A grammar still compiling is waited
+        for here: callers that must not wait (AsyncLLM) wait for request.grammar_ready first."""
         if request.request_id in self.requests:
             raise ConfigError(f"request_id={request.request_id!r} is already in use")
+        if request.grammar_ready is not None and request.grammar is None:
+            request.grammar = RequestGrammar(request.grammar_ready.result())  # ConfigError if it failed
         self.scheduler.add(request)
         self.requests[request.request_id] = request
         self._detokenizers[request.request_id] = (
@@ -187,7 +209,14 @@ class LLMEngine:
             # tokens: all of them must be known, so the step in flight is read back first.
             outputs = self._finish_in_flight()
             scheduled = self.scheduler.schedule()
-        launched = self._launch(scheduled.chunks) if scheduled.chunks else None
+        launched = None
+        if scheduled.chunks:
+            logits = self._forward(scheduled.chunks)
+            if self._in_flight is not None and _constrained(scheduled.chunks):
+                # Grammar masks need the tokens of the step in flight: read it back while this
+                # step's forward pass runs, then mask and sample.
+                outputs = self._finish_in_flight()
+            launched = self._sample(scheduled.chunks, logits)
         if self._in_flight is not None:
             outputs = self._finish_in_flight()  # while the step just launched runs
         if launched is not None:
@@ -211,13 +240,8 @@ class LLMEngine:
         per_request = cdiv(self.MAINTAIN_EVERY, self.cache.config.block_size)
         self.cache.maintain(reserve_blocks=len(self.scheduler.running) * per_request)
 
-    def _launch(self, chunks: list[ScheduledChunk]) -> _Launched:
-        """Queue the model forward and the sampling of a step; read nothing back.
-
-        Every sampling request gets a placeholder token at the end of its output (so the
-        scheduler reserves its slot for the next step) and `pending_row`, its row in the sampled
-        tokens, from which the next step takes its input on the device.
-        """
+    def _forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Queue the model forward of a step; returns its logits (on the device, not read)."""
         for chunk in chunks:
             if chunk.request.metrics.first_scheduled_time is None:
                 chunk.request.metrics.first_scheduled_time = time.monotonic()
@@ -228,41 +252,45 @@ class LLMEngine:
             logits = self.runner.execute(chunks)
         else:
             logits = self.runner.execute(chunks, prev.result.token_ids)
-        requests = [chunk.request for chunk in chunks if chunk.samples]
-        logits = self._record_prompt_logprobs(chunks, logits, len(requests))
+        # Right after the forward (before num_computed_tokens moves): the prompt rows go, the sampling rows stay.
+        logits = record_prompt_logprobs(chunks, logits, sum(1 for chunk in chunks if chunk.samples))
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
+        return logits
+
+    def _sample(self, chunks: list[ScheduledChunk], logits: torch.Tensor) -> _Launched:
+        """Queue the sampling of a step; read nothing back.
+
+        Every sampling request gets a placeholder token at the end of its output (so the
+        scheduler reserves its slot for the next step) and `pending_row`, its row in the sampled
+        tokens, from which the next step takes its input on the device. A request that finished
+        since the forward pass was launched (its grammar row forced the previous step to be read
+        back first) still has a row, sampled and ignored.
+        """
+        requests = [chunk.request for chunk in chunks if chunk.samples]
         if not requests:
             return _Launched(chunks, [], [], None, None, penalized=False)
-        batch = SamplingBatch.build([r.params for r in requests], [r.output_token_ids for r in requests],
+        live = [not r.finished for r in requests]  # a finished row samples greedily, for nobody
+        grammars = [r.grammar if ok else None for r, ok in zip(requests, live)]
+        batch = SamplingBatch.build([r.params if ok else _IGNORED_ROW for r, ok in zip(requests, live)],
+                                    [r.output_token_ids if ok else [] for r, ok in zip(requests, live)],
                                     [r.prompt_token_ids for r in requests],
-                                    [self._generators[r.request_id] for r in requests], logits.device,
-                                    eos_token_id=sorted(self.eos_token_ids) or None)
+                                    [self._generators[r.request_id] if ok else None
+                                     for r, ok in zip(requests, live)], logits.device,
+                                    eos_token_id=sorted(self.eos_token_ids) or None,
+                                    token_bitmask=token_bitmask(grammars, logits.shape[1]))
         result = sample(logits, batch)
         host = result.to_host(with_logprobs=batch.max_logprobs is not None)
         indexes = []
         promises = self.scheduler.promises
         for row, request in enumerate(requests):
             indexes.append(len(request.output_token_ids))
+            if request.finished:
+                continue
             request.output_token_ids.append(PLACEHOLDER_TOKEN)
             request.pending_row = row
             promises.grew(request)
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
-
-    @staticmethod
-    def _record_prompt_logprobs(chunks: list[ScheduledChunk], logits, num_sampling: int):
-        """Score the prompt positions this step computed for requests that asked for prompt
-        logprobs (their logits follow the sampling rows); returns the sampling rows."""
-        positions = prompt_logit_positions(chunks)
-        if not positions:
-            return logits
-        requests = [chunk.request for chunk, _ in positions]
-        entries = prompt_logprobs(logits[num_sampling:], [r.prompt_token_ids[p + 1] for r, (_, p) in
-                                                          zip(requests, positions)],
-                                  [r.params.prompt_logprobs for r in requests])
-        for request, entry in zip(requests, entries):
-            request.prompt_logprobs.append(entry)
-        return logits[:num_sampling]
 
     def _finish_in_flight(self) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
@@ -284,21 +312,20 @@ class LLMEngine:
                 continue
             out = request.output_token_ids
             if bad[row]:
-                del out[index:]  # this step's placeholder, and the next step's if it was scheduled
-                request.pending_row = None
-                request.error = "the model produced NaN or inf logits; the request was stopped"
-                request.finish("error")
-                logger.error("request %s: %s", request.request_id, request.error)
+                self._fail(request, index, "the model produced NaN or inf logits; the request was stopped")
                 outputs.append(StepOutput(request, [], "", True))
-                self._release(request)
                 continue
             out[index] = token
             if len(out) == index + 1:  # not in the step launched since: every token is known
                 request.pending_row = None
+            if request.grammar is not None and not request.grammar.accept(token):
+                self._fail(request, index, f"token {token} does not match the request's structured_outputs")
+                outputs.append(StepOutput(request, [], "", True))
+                continue
             if chosen_logprobs is not None and request.params.logprobs is not None:
                 request.logprobs = request.logprobs or []
-                request.logprobs.append(self._logprob_entry(host, row, token, chosen_logprobs[row],
-                                                            request.params.logprobs))
+                request.logprobs.append(logprob_entry(host, row, token, chosen_logprobs[row],
+                                                      request.params.logprobs))
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
@@ -320,15 +347,14 @@ class LLMEngine:
             outputs.append(StepOutput(request, [token], delta, request.finished))
         return outputs
 
-    @staticmethod
-    def _logprob_entry(result, row: int, token: int, chosen: float, top: int) -> dict[int, float]:
-        """{token id: logprob} for the chosen token and the row's `top` most likely ones."""
-        entry = {token: chosen}
-        if result.top_logprobs is not None and top:  # host tensors (HostSamples)
-            values, indices = result.top_logprobs
-            for value, index in zip(values[row, :top].tolist(), indices[row, :top].tolist()):
-                entry.setdefault(index, value)
-        return entry
+    def _fail(self, request: Request, index: int, error: str) -> None:
+        """End a request with an error at output position `index` (the token read back there)."""
+        del request.output_token_ids[index:]  # this step's token, and the next step's placeholder
+        request.pending_row = None
+        request.error = error
+        request.finish("error")
+        logger.error("request %s: %s", request.request_id, request.error)
+        self._release(request)
 
     def _release(self, request: Request) -> None:
         self.scheduler.remove(request)
@@ -364,3 +390,8 @@ class LLMEngine:
                            num_blocks_moved=self.cache.num_blocks_moved,
                            prefix_cache_queries=self._prefix_queries, prefix_cache_hits=self._prefix_hits,
                            allocated_bytes=s.allocated_bytes)
+
+
+def _constrained(chunks: list[ScheduledChunk]) -> bool:
+    """Some row sampled in this step has a grammar."""
+    return any(chunk.request.grammar is not None and chunk.samples for chunk in chunks)

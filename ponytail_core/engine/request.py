@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import enum
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from ..sampling.grammar import RequestGrammar
 from ..sampling.params import SamplingParams
 
 # Stands in output_token_ids for a token sampled on the device but not yet read back (async
@@ -55,6 +57,10 @@ class Request:
     # Async scheduling: the row of the launched step's sampled tokens that will replace the
     # placeholder ending output_token_ids; None when every token is known.
     pending_row: int | None = None
+    # Structured outputs: the compile under way (set by prepare_request), then the request's
+    # matcher (set by enqueue), advanced by every token read back.
+    grammar_ready: Future | None = None
+    grammar: RequestGrammar | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
     @property

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 
 from ..errors import ConfigError
+from .structured import StructuredOutputsParams
 
 # Below this a temperature counts as greedy, as in vLLM (_SAMPLING_EPS): dividing logits by a
 # tinier number only risks overflow, and the softmax is one-hot anyway.
@@ -91,6 +92,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top ones; None: none
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+    structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.n, bool) or not isinstance(self.n, Integral) or self.n != 1:
@@ -126,6 +128,14 @@ class SamplingParams:
                                          f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
 
         self.logit_bias = self._check_logit_bias(self.logit_bias)
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
+            # The grammar allows only EOS once the JSON is complete: masking EOS (min_tokens) or
+            # ignoring it would leave a row with no token to take.
+            for name, off in (("min_tokens", 0), ("ignore_eos", False)):
+                if getattr(self, name) != off:
+                    raise _invalid(name, getattr(self, name),
+                                   f"{off} with structured_outputs (the output ends when the JSON does)")
 
     @staticmethod
     def _check_logit_bias(bias: object) -> dict[int, float] | None:

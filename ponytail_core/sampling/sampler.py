@@ -6,7 +6,8 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> logit_bias -> repetition/presence/frequency penalties -> greedy argmax, or
+Order (vLLM v1): min_tokens mask -> grammar mask (structured outputs) -> logit_bias ->
+repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> exponential race (argmax of probs / Exp(1) noise).
 
 Logprobs follow vLLM's default (logprobs_mode="raw_logprobs"): they are log_softmax of the raw
@@ -25,6 +26,7 @@ import numpy as np
 import torch
 
 from ..utils.device import to_device
+from .grammar import apply_token_bitmask
 from .params import SamplingParams
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (row index, token id), flat, int64, on the device
@@ -73,6 +75,8 @@ class SamplingBatch:
     any_unseeded: bool  # some sampled row draws from the global generator
     max_logprobs: int | None  # most top logprobs a row asked for; None when no row asked
     max_token_id: int  # largest token id indexed above; must be < vocab size
+    grammar_rows: torch.Tensor | None = None  # [c] int64: rows constrained by a grammar
+    grammar_bitmask: torch.Tensor | None = None  # [c, ceil(vocab/32)] int32: bit t = token t allowed
     logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
 
     @classmethod
@@ -84,12 +88,15 @@ class SamplingBatch:
         generators: list[torch.Generator | None],
         device: torch.device | str,
         eos_token_id: int | Collection[int] | None = None,
+        token_bitmask: tuple[list[int], torch.Tensor] | None = None,
     ) -> SamplingBatch:
         """Per-row tensors for one step. Row i of every list is row i of the logits.
 
         generators[i] must be the request's own generator when params[i].seed is set (see
         request_generator); eos_token_id (one id or several) is masked, with stop_token_ids,
-        in rows that have fewer than min_tokens output tokens (unless ignore_eos).
+        in rows that have fewer than min_tokens output tokens (unless ignore_eos). token_bitmask
+        is (rows, host int32 bitmask) from sampling.grammar.token_bitmask: those rows may only
+        take the tokens whose bit is set.
         """
         device = torch.device(device)
         rows = len(params)
@@ -129,6 +136,8 @@ class SamplingBatch:
             any_unseeded=len(own) < num_sampled,
             max_logprobs=max(asked) if asked else None,
             max_token_id=max(largest_seen, largest_stop, largest_bias),
+            grammar_rows=None if token_bitmask is None else _tensor(token_bitmask[0], torch.int64, device),
+            grammar_bitmask=None if token_bitmask is None else to_device(token_bitmask[1], device),
             logit_bias=bias,
         )
 
@@ -336,6 +345,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         top = (values - log_norm.unsqueeze(1), ids)
     if batch.min_tokens_mask is not None:
         x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
+    if batch.grammar_rows is not None:
+        apply_token_bitmask(x, batch.grammar_rows, batch.grammar_bitmask)
     if batch.logit_bias is not None:  # before penalties, as vLLM's logits processors
         x.index_put_(batch.logit_bias[0], batch.logit_bias[1], accumulate=True)
     apply_penalties(x, batch)

@@ -1,0 +1,209 @@
+"""Structured outputs and forced tool calls for the chat API: response_format, tools, tool_choice.
+
+`plan_structured(req, generate)` turns the request's fields into the engine's `structured_outputs`
+(a JSON schema the sampler's grammar mask enforces, sampling/grammar.py) and, for tool calls, a
+`ToolPlan`; `ToolCallFormat` turns the constrained JSON back into OpenAI's `tool_calls`, whole
+or streamed as deltas.
+
+- response_format json_object: any JSON object; json_schema: its schema (what the openai SDK's
+  `chat.completions.parse` sends for a pydantic model).
+- tool_choice {"type": "function", "function": {"name": N}}: the output is N's arguments,
+  constrained by its `parameters` schema, streamed as argument deltas of one call.
+- tool_choice "required": the output is a JSON list of {"name", "parameters"} objects, one per
+  call (vLLM's format), at least one (exactly one when parallel_tool_calls is false); the calls
+  are sent once the list is complete.
+- tool_choice "auto" (OpenAI's default once tools are given) is refused: it needs the model's own
+  tool-call format and a parser for it, which the served chat template (SmolLM2's) does not have.
+  "none" generates text as usual.
+Both finish with finish_reason "tool_calls". Errors are ConfigErrors starting "field=value", so
+the API answers 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+from ponytail import ConfigError
+
+from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
+                              ToolCall, ToolCallDelta, Usage)
+from .protocol import GenerateRequest
+
+_NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
+_CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one of tools>}}"
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How the constrained JSON becomes tool calls."""
+
+    name: str | None  # the forced function: the output is its arguments; None: a 'required' list
+
+
+def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest) -> ToolPlan | None:
+    """Set generate.sampling["structured_outputs"] (and the tools, for the template) from the
+    request; returns the ToolPlan when the answer is tool calls. ConfigError names the field."""
+    tools = req.tools or []
+    if tools:
+        generate.tools = [tool.model_dump(exclude_none=True) for tool in tools]
+        _describe_earlier_calls(generate.messages)
+    elif req.tool_choice is not None and req.tool_choice != "none":
+        raise ConfigError(f"tool_choice={_show(req.tool_choice)} is invalid without tools; "
+                          "allowed: give tools, or leave tool_choice out")
+    plan, schema = _tool_schema(req, tools)
+    response = _response_schema(req)
+    if plan is not None and response is not None:
+        raise ConfigError(f"response_format={req.response_format.type!r} cannot be combined with "
+                          f"tool_choice={_show(req.tool_choice)}; allowed: one of them")
+    if schema is not None:
+        generate.sampling["structured_outputs"] = {"json": schema}
+    elif response is not None:
+        generate.sampling["structured_outputs"] = response
+    return plan
+
+
+def _response_schema(req: ChatCompletionRequest) -> dict | None:
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ConfigError("response_format={'type': 'json_schema'} has no json_schema.schema; "
+                          "allowed: {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    return {"json": fmt.json_schema.schema_}
+
+
+def _tool_schema(req: ChatCompletionRequest, tools: list) -> tuple[ToolPlan | None, dict | None]:
+    choice = req.tool_choice
+    if not tools or choice == "none":
+        return None, None
+    if choice is None or choice == "auto":
+        given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
+        raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
+                          f"tool-call format to parse; allowed: {_CHOICES}")
+    functions = {}
+    for tool in tools:
+        name = tool.function.name
+        if name in functions:
+            raise ConfigError(f"tools={name!r} is defined twice; allowed: distinct function names")
+        functions[name] = tool.function.parameters or _NO_ARGUMENTS
+    if choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                   "parameters": parameters},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, parameters in functions.items()]
+        schema = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return ToolPlan(name=None), schema
+    name = choice.function.name
+    if name not in functions:
+        raise ConfigError(f"tool_choice={_show(choice)} names no tool; allowed: one of {sorted(functions)}")
+    return ToolPlan(name=name), functions[name]
+
+
+def _describe_earlier_calls(messages: list[dict] | None) -> None:
+    """An assistant message that only called tools gets those calls as its content (the JSON this
+    server generates), so a template without a tool format still shows the model what it did."""
+    for message in messages or []:
+        if message.get("tool_calls") and not message.get("content"):
+            message["content"] = json.dumps([{"name": c["function"]["name"],
+                                              "parameters": _loads_or_text(c["function"]["arguments"])}
+                                             for c in message["tool_calls"]])
+
+
+def _loads_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _show(choice) -> str:
+    return repr(choice.model_dump() if isinstance(choice, BaseModel) else choice)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
+    """The tool calls in a finished output; None when it is not complete JSON (max_tokens hit)."""
+    if plan.name is not None:
+        try:
+            json.loads(text)
+        except ValueError:
+            return None
+        return [ToolCall(id=_call_id(), function=FunctionCall(name=plan.name, arguments=text))]
+    try:
+        items = json.loads(text)
+        return [ToolCall(id=_call_id(), function=FunctionCall(name=item["name"],
+                                                              arguments=json.dumps(item["parameters"])))
+                for item in items]
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+class ToolCallFormat:
+    """Chat responses whose answer is tool calls; same methods as openai_api's _ChatFormat (a chat
+    request has one choice, index 0), whose chunks (id, created, model, system_fingerprint) it
+    reuses. start(), text() and finish() return lists of chunks."""
+
+    def __init__(self, chat_format, plan: ToolPlan):
+        self.common = chat_format.common
+        self.chat_format = chat_format
+        self.plan = plan
+        self.pieces: list[str] = []  # the output so far
+        self.call_id = _call_id()
+
+    def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None = None, items=None) -> BaseModel:
+        return self.chat_format._delta(index, delta, finish_reason, items)
+
+    def start(self, index: int) -> list[BaseModel]:
+        chunks = self.chat_format.start(index)
+        if self.plan.name is not None:  # one call: its name now, its arguments as they come
+            chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+                index=0, id=self.call_id, type="function",
+                function=FunctionCallDelta(name=self.plan.name, arguments=""))])))
+        return chunks
+
+    def text(self, index: int, text: str, items=None) -> list[BaseModel]:
+        self.pieces.append(text)
+        if self.plan.name is None:  # a list of calls: sent once it is complete
+            return []
+        return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
+            arguments=text))]), items=items)]
+
+    def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
+        text = "".join(self.pieces)
+        calls = parse_calls(self.plan, text)
+        if self.plan.name is not None:
+            return [self._chunk(index, ChatDelta(), "tool_calls" if calls is not None else finish_reason)]
+        if calls is None:  # cut short: what was generated, as text
+            return [self._chunk(index, ChatDelta(content=text)), self._chunk(index, ChatDelta(), finish_reason)]
+        deltas = [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+            index=i, id=call.id, type="function",
+            function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))]))
+            for i, call in enumerate(calls)]
+        return deltas + [self._chunk(index, ChatDelta(), "tool_calls")]
+
+    def usage(self, usage: Usage) -> BaseModel:
+        return self.chat_format.usage(usage)
+
+    def choice(self, index: int, text: str, finish_reason: str | None, items=None) -> ChatChoice:
+        choice = self.chat_format.choice(index, text, finish_reason, items)
+        calls = parse_calls(self.plan, text)
+        if calls is None:
+            return choice
+        if self.plan.name is not None:
+            calls[0].id = self.call_id
+        return choice.model_copy(update={"message": ChatMessage(content=None, tool_calls=calls),
+                                         "finish_reason": "tool_calls"})
+
+    def full(self, choices: list, usage: Usage) -> BaseModel:
+        return self.chat_format.full(choices, usage)

@@ -1,0 +1,240 @@
+"""Structured outputs and tool calls through the official openai client, on the CPU.
+
+The real chat path without Ray: build_app over deployments.replica.EngineReplica's generate (chat
+template, tools) driving an AsyncLLM of the default model, served by uvicorn on 127.0.0.1.
+"""
+
+import json
+import socket
+import threading
+import time
+from enum import Enum
+
+import pytest
+
+pytest.importorskip("xgrammar")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+jsonschema = pytest.importorskip("jsonschema")
+from pydantic import BaseModel, Field  # noqa: E402
+
+import ponytail  # noqa: E402
+from deployments.openai_api import build_app  # noqa: E402
+from deployments.protocol import ModelInfo  # noqa: E402
+from deployments.logprobs import TokenTexts  # noqa: E402
+from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
+
+pytestmark = pytest.mark.network  # the default model
+MODEL = "SmolLM2-135M-Instruct"
+WAIT_S = 120.0  # CPU generation on a shared machine
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "kind": {"type": "string", "enum": ["cat", "dog", "bird"]},
+        "owner": {"type": "object", "properties": {
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "verified": {"type": "boolean"}}, "required": ["age", "verified"], "additionalProperties": False},
+        "tags": {"type": "array", "items": {"type": "string", "enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "kind", "owner", "tags"],
+    "additionalProperties": False,
+}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+class _NoMetrics:
+    def on_finished(self, output):
+        pass
+
+
+class LocalReplica(EngineReplica):
+    """EngineReplica's request path (chat template, tools, deltas) without Ray or its metrics."""
+
+    def __init__(self, llm):
+        self.llm, self.async_llm, self.tokenizer = llm, ponytail.AsyncLLM(llm), llm.tokenizer
+        self.token_texts = TokenTexts(self.tokenizer)
+        self.metrics, self.num_requests = _NoMetrics(), 0
+        self.info = ModelInfo(model_id=MODEL, max_model_len=llm.engine.scheduler.max_model_len,
+                              block_size=16, device="cpu", device_uuid=None)
+        self.max_prompt_tokens = self.info.max_model_len
+        self.max_token_bytes = _max_token_bytes(self.tokenizer)
+
+    def stream(self, request):
+        return self.generate(request)
+
+
+@pytest.fixture(scope="module")
+def replica(default_model):
+    model, tokenizer = default_model
+    return LocalReplica(ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="64MiB", max_num_seqs=16,
+                                     max_model_len=1024))
+
+
+@pytest.fixture(scope="module")
+def client(replica):
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    uv = uvicorn.Server(uvicorn.Config(build_app(replica), log_level="warning", lifespan="off",
+                                       timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not uv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0, timeout=WAIT_S) as c:
+        yield c
+    uv.should_exit = True
+    thread.join(timeout=10)
+    sock.close()
+
+
+class Kind(str, Enum):
+    cat = "cat"
+    dog = "dog"
+
+
+class Owner(BaseModel):
+    age: int = Field(ge=0, le=120)
+    verified: bool
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=20)
+    kind: Kind
+    owner: Owner
+    tags: list[Kind] = Field(max_length=2)
+
+
+def test_parse_returns_a_valid_pydantic_instance(client):
+    for seed in range(3):
+        completion = client.chat.completions.parse(
+            model=MODEL, messages=[{"role": "user", "content": "Describe a pet."}], response_format=Pet,
+            max_tokens=120, temperature=1.0, seed=seed)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        assert isinstance(choice.message.parsed, Pet)
+        assert Pet.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_schema_validates_over_many_seeded_samples_at_temperature_1(client):
+    outputs = set()
+    for seed in range(12):
+        completion = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Give me a pet as JSON."}], temperature=1.0,
+            seed=seed, max_tokens=120,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": NESTED}})
+        text = completion.choices[0].message.content
+        assert completion.choices[0].finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), NESTED)
+        outputs.add(text)
+    assert len(outputs) > 3  # sampled, not one fixed answer
+
+
+def test_json_object_gives_an_object(client):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A JSON object about Paris."}],
+        response_format={"type": "json_object"}, temperature=0, max_tokens=200)
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+
+def test_named_tool_call_has_arguments_matching_the_schema(client):
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], temperature=1.0, seed=seed, max_tokens=80,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_required_tool_call_names_a_tool_and_validates(client):
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for seed in range(3):
+        completion = client.chat.completions.create(
+            model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=1.0,
+            seed=seed, max_tokens=150, parallel_tool_calls=False)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls  # parallel_tool_calls=False: exactly one
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_streamed_tool_call_matches_the_whole_answer(client):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=80,
+                  tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls[0]
+    chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id
+    assert len(deltas) > 2  # the arguments come in pieces
+    assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+    required = [c for c in client.chat.completions.create(
+        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=150,
+        stream=True) if c.choices]
+    calls = [d for c in required for d in (c.choices[0].delta.tool_calls or [])]
+    assert calls and all(d.id and d.function.name in ("get_weather", "get_time") for d in calls)
+    assert required[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_json_schema_matches_the_whole_answer(client):
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "A pet as JSON."}], temperature=0,
+                  max_tokens=120, response_format={"type": "json_schema",
+                                                   "json_schema": {"name": "pet", "schema": NESTED}})
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs)
+                       if c.choices)
+    assert streamed == whole
+    jsonschema.validate(json.loads(streamed), NESTED)
+
+
+def test_tool_results_go_through_the_chat_template(client):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees and sunny"},
+    ]
+    completion = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none",
+                                                temperature=0, max_tokens=30)
+    assert completion.choices[0].message.content
+    assert completion.usage.prompt_tokens > 60  # the call and its result are in the prompt
+
+
+@pytest.mark.parametrize("kwargs, param, words", [
+    (dict(tools=[WEATHER]), "tool_choice", "'auto'"),
+    (dict(tools=[WEATHER], tool_choice="auto"), "tool_choice", "not supported"),
+    (dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice",
+     "names no tool"),
+    (dict(tool_choice="required"), "tool_choice", "without tools"),
+    (dict(tools=[WEATHER, WEATHER], tool_choice="required"), "tools", "twice"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
+    (dict(response_format={"type": "json_object"}, tools=[WEATHER], tool_choice="required"), "response_format",
+     "cannot be combined"),
+    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json", "not supported"),
+    (dict(extra_body={"structured_outputs": {"json": {"type": "object"}}}), "structured_outputs", "not supported"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
+     "response_format", "cannot be compiled"),
+])
+def test_unsupported_or_bad_requests_are_400s_naming_the_field(client, kwargs, param, words):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, **kwargs)
+    error = caught.value.body
+    assert error["param"] == param, error
+    assert words in error["message"], error
