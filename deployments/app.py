@@ -143,6 +143,7 @@ def build(args: AppArgs | dict | None = None):
     AppArgs itself only when the annotation is a class, not this module's postponed string."""
     settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
+    settings = settings.for_device(gpu)
     engine_deployment = serve.deployment(
         EngineReplica,
         name="EngineReplica",
