@@ -50,6 +50,9 @@ class AppArgs(BaseModel):
     gpu_memory_utilization: float | None = Field(
         None, description="per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the "
                           "replica's num_gpus, so 0.45 puts two replicas on one GPU; excludes kv_cache_memory")
+    num_gpus: float | None = Field(None, description="GPUs per engine replica as Ray counts them (0.5: two "
+                                   "replicas per GPU, each with its own kv_cache_memory); unset: "
+                                   "gpu_memory_utilization, else 1")
     max_num_seqs: int | None = Field(None, description="sequences one replica runs at once; unset: "
                                      f"{GPU_MAX_NUM_SEQS} on a GPU, {CPU_MAX_NUM_SEQS} on a CPU")
     max_model_len: int | None = Field(None, description="longest prompt + output in tokens; unset: "
@@ -168,6 +171,14 @@ class AppArgs(BaseModel):
             raise ValueError(f"{info.field_name}={value:g} is not supported; allowed: seconds > 0")
         return value
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _num_gpus(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"num_gpus={value:g} is not supported; allowed: a number > 0 (fractions share a GPU), "
+                             "or null")
+        return value
+
     @field_validator("gpu_memory_utilization")
     @classmethod
     def _gpu_share(cls, value: float | None) -> float | None:
@@ -200,6 +211,11 @@ class AppArgs(BaseModel):
         seqs = self.max_num_seqs or (GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS)
         target = self.target_ongoing_requests or (seqs if gpu else CPU_TARGET_ONGOING)
         return self.model_copy(update={"max_num_seqs": seqs, "target_ongoing_requests": target})
+
+    @property
+    def replica_num_gpus(self) -> float:
+        """The engine replica's num_gpus on a GPU cluster."""
+        return self.num_gpus or self.gpu_memory_utilization or 1
 
     @property
     def replica_max_ongoing_requests(self) -> int:

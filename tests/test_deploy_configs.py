@@ -98,6 +98,10 @@ def test_unset_batch_and_autoscaling_args_are_sized_to_the_device():
     assert (mine.max_num_seqs, mine.target_ongoing_requests) == (32, 4)  # what the operator set stays
     assert AppArgs(max_num_seqs=32).for_device(gpu=True).target_ongoing_requests == 32
     assert AppArgs().compile_model is None and AppArgs(compile_model="null").compile_model is None
+    assert (AppArgs().replica_num_gpus, AppArgs(gpu_memory_utilization=0.45).replica_num_gpus) == (1, 0.45)
+    assert AppArgs(num_gpus=0.5, kv_cache_memory="8GiB").replica_num_gpus == 0.5
+    with pytest.raises(ValueError, match=r"num_gpus=0 is not supported; allowed: a number > 0"):
+        AppArgs(num_gpus=0)
 
 
 def test_cluster_yaml_matches_the_cluster_launchers_schema():
