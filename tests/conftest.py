@@ -21,3 +21,17 @@ def default_model():
     from ponytail.models.loader import load_model
 
     return load_model()
+
+
+@pytest.fixture(autouse=True)
+def _default_model_attention_restored(request):
+    """ponytail.LLM(model) switches the model it owns to Ponytail's attention for good; a test that
+    hands it the session's shared default model must not leave the tests after it that setting."""
+    if "default_model" not in request.fixturenames:
+        yield
+        return
+    model = request.getfixturevalue("default_model")[0]
+    before = model.config._attn_implementation
+    yield
+    if model.config._attn_implementation != before:
+        model.set_attn_implementation(before)
