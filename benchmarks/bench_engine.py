@@ -5,6 +5,10 @@
     python benchmarks/bench_engine.py --requests 32 --prompt-len 2048 --output-len 2048 --peers ponytail
     python benchmarks/bench_engine.py --peers ponytail --capacity 40GiB   # concurrency in a fixed KV budget
     python benchmarks/bench_engine.py --peers plain,generate_batch,ponytail,ponytail_compiled
+    # side by side with vLLM (peer_bench.py), both engines with their defaults, one checkpoint dir:
+    python benchmarks/bench_engine.py --model /tmp/ponytail-7b-random --workload all \
+        --peers ponytail,ponytail_compiled,vllm --vllm-python /usr/bin/python3 \
+        --vllm-pythonpath /tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages --json peers.json
 
 Peers: plain `model.generate` on the whole batch, transformers' continuous batching
 (`generate_batch`), and `ponytail.LLM`, eager (`ponytail`) or with compile_model=True
@@ -21,6 +25,9 @@ at max_seq_len (--capacity-max-len) holds in the same budget.
 
 --small also runs a seeded chat workload through Ponytail's engine (chat_workload: a shared chat
 opening, one prompt in six 1-2k tokens long) and reports the time of each engine step.
+
+--peers with vllm, --workload other than fixed, or --model: the side-by-side mode of peer_bench.py
+(workloads in peer_workloads.py; vLLM in its own process, vllm_peer.py).
 """
 
 from __future__ import annotations
@@ -28,8 +35,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
-import statistics
 import sys
 import time
 
@@ -41,6 +48,9 @@ from ponytail import SamplingParams
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import restore_decoder_layers
 from ponytail.utils.units import format_bytes, parse_bytes
+
+import peer_bench
+import peer_workloads
 
 
 def seven_b_model(device) -> torch.nn.Module:
@@ -270,11 +280,30 @@ def main() -> int:
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
+    side = parser.add_argument_group("side by side with vLLM (benchmarks/peer_bench.py)")
+    side.add_argument("--workload", default="fixed", choices=[*peer_workloads.WORKLOADS, "all"],
+                      help="fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
+    side.add_argument("--model", help="checkpoint directory both engines load (random_checkpoint.py builds one)")
+    side.add_argument("--dtype", help="both engines' dtype (default: each one's own, bf16 on CUDA)")
+    side.add_argument("--seed", type=int, default=0, help="seeds the workloads' lengths and token ids")
+    side.add_argument("--vllm-python", default=sys.executable, help="interpreter vLLM runs under")
+    side.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"),
+                      help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
+    side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
+    side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
     args = parser.parse_args()
     peers = args.peers.split(",")
-    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled"})
+    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "vllm"})
     if unknown:
-        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled")
+        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, vllm")
+    if "vllm" in peers or args.workload != "fixed" or args.model:
+        in_process = sorted(set(peers) & {"plain", "generate_batch"})
+        if in_process or args.capacity:
+            parser.error(f"--peers {','.join(in_process) or '-'} / --capacity: only with --workload fixed, no "
+                         f"--model and no vllm peer (the side-by-side mode runs ponytail, ponytail_compiled, vllm)")
+        if args.check_tokens < 0:
+            parser.error(f"--check-tokens {args.check_tokens}: expected 0 (skip the check) or more")
+        return peer_bench.run(args, peers)
     loaded = bench_model(args.small)
     if loaded is None:
         return 2
