@@ -166,7 +166,7 @@ def run(args, peers: list[str]) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
-    check = peer_workloads.check_prompts(vocab, seed=args.seed)
+    check = peer_workloads.check_prompts(vocab, requests=2 if args.small else 4, seed=args.seed)
     warmup = peer_workloads.check_prompts(vocab, requests=1, length=8, seed=args.seed + 1)[0]
     report = {"model": model_dir, "workloads": {w.name: {"requests": len(w.prompts), "prompt_tokens": w.prompt_tokens,
                                                          "output_tokens": w.output_tokens} for w in workloads},
