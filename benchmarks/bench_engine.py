@@ -281,8 +281,9 @@ def main() -> int:
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
     side = parser.add_argument_group("side by side with vLLM (benchmarks/peer_bench.py)")
-    side.add_argument("--workload", default="fixed", choices=[*peer_workloads.WORKLOADS, "all"],
-                      help="fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
+    side.add_argument("--workload", default="fixed",
+                      help=f"one or more of {', '.join(peer_workloads.WORKLOADS)} (comma-separated), or all; "
+                           f"fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
     side.add_argument("--model", help="checkpoint directory both engines load (random_checkpoint.py builds one)")
     side.add_argument("--dtype", help="both engines' dtype (default: each one's own, bf16 on CUDA)")
     side.add_argument("--seed", type=int, default=0, help="seeds the workloads' lengths and token ids")
@@ -291,16 +292,25 @@ def main() -> int:
                       help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
     side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
     side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
+    side.add_argument("--vllm-reuse", action="store_true",
+                      help="take vLLM's results from --vllm-workdir (an earlier run on the same requests)")
     args = parser.parse_args()
     peers = args.peers.split(",")
     unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "vllm"})
     if unknown:
         parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, vllm")
-    if "vllm" in peers or args.workload != "fixed" or args.model:
+    workloads = list(peer_workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    if not workloads or set(workloads) - set(peer_workloads.WORKLOADS):
+        parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
+                     f"(comma-separated), or all")
+    args.workload = workloads
+    if "vllm" in peers or workloads != ["fixed"] or args.model:
         in_process = sorted(set(peers) & {"plain", "generate_batch"})
         if in_process or args.capacity:
             parser.error(f"--peers {','.join(in_process) or '-'} / --capacity: only with --workload fixed, no "
                          f"--model and no vllm peer (the side-by-side mode runs ponytail, ponytail_compiled, vllm)")
+        if args.vllm_reuse and not args.vllm_workdir:
+            parser.error("--vllm-reuse needs --vllm-workdir (where the earlier run left vLLM's results)")
         if args.check_tokens < 0:
             parser.error(f"--check-tokens {args.check_tokens}: expected 0 (skip the check) or more")
         return peer_bench.run(args, peers)

@@ -30,7 +30,7 @@ from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import restore_decoder_layers
 
 import peer_workloads
-from vllm_peer import run_vllm
+from vllm_peer import read_results, run_vllm
 
 VARIANTS = {"ponytail": False, "ponytail_compiled": True}  # peer -> compile_model
 
@@ -158,9 +158,8 @@ def run(args, peers: list[str]) -> int:
 
         model_dir = str(default_checkpoint())
     vocab, max_len = model_shape(model_dir)
-    names = list(peer_workloads.WORKLOADS) if args.workload == "all" else [args.workload]
     try:
-        workloads = peer_workloads.build_all(names, vocab, max_len, seed=args.seed, small=args.small,
+        workloads = peer_workloads.build_all(args.workload, vocab, max_len, seed=args.seed, small=args.small,
                                              fixed=(4, 32, 16) if args.small else
                                              (args.requests, args.prompt_len, args.output_len))
     except ValueError as exc:
@@ -174,15 +173,26 @@ def run(args, peers: list[str]) -> int:
 
     vllm = None
     if "vllm" in peers:  # first: before this process holds any device memory
-        request = {"model": model_dir, "dtype": args.dtype or "auto", "seed": 0, "warmup": warmup,
+        # The dtype Ponytail will run in (its default: bf16 on CUDA, fp32 on the CPU), not the config's.
+        dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup,
                    "check": {"prompts": check, "steps": args.check_tokens},
                    "workloads": [w.to_json() for w in workloads]}
         workdir = Path(args.vllm_workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
-        vllm = run_vllm(args.vllm_python, args.vllm_pythonpath, request, workdir, args.vllm_timeout)
+        if args.vllm_reuse:  # an earlier run's results, on the same requests (checked below)
+            vllm = read_results(workdir)
+            same = [(r["name"], r["prompt_tokens"]) for r in vllm.get("results", [])] == \
+                [(w.name, w.prompt_tokens) for w in workloads] and len(vllm.get("check", [])) == len(check)
+            if vllm["ok"] and not same:
+                vllm = {"ok": False, "error": f"--vllm-reuse: {workdir} holds other workloads or check requests"}
+        else:
+            vllm = run_vllm(args.vllm_python, args.vllm_pythonpath, request, workdir, args.vllm_timeout)
         if not vllm["ok"]:
             print(f"vllm: skipped: {vllm['error']}")
             report["skipped"]["vllm"] = vllm["error"]
             vllm = None
+            if not any(p in VARIANTS for p in peers):
+                return 1  # nothing left to run
 
     start, model, tokenizer = ponytail_start(model_dir, workloads[0].prompts[0], args.dtype)
     report["start"]["ponytail"] = start

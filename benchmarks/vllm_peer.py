@@ -47,10 +47,16 @@ def run_vllm(python: str, pythonpath: str | None, request: dict, workdir: Path, 
         return {"ok": False, "error": f"--vllm-python {python!r}: no such interpreter"}
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the vLLM worker ran past {timeout:.0f} s; its log: {log}"}
-    text = log.read_text(errors="replace")
+    return read_results(workdir, f"the vLLM worker exited {proc.returncode} without results")
+
+
+def read_results(workdir: Path, missing: str = "no results") -> dict:
+    """The worker's results in `workdir` with what its log says of KV memory (also for --vllm-reuse)."""
+    out, log = workdir / "vllm_out.json", workdir / "vllm.log"
+    text = log.read_text(errors="replace") if log.is_file() else ""
     if not out.is_file():
-        return {"ok": False, "error": f"the vLLM worker exited {proc.returncode} without results; "
-                                      f"last lines of {log}:\n" + "\n".join(text.splitlines()[-15:])}
+        return {"ok": False, "error": f"{missing} in {workdir}; last lines of its log:\n"
+                                      + "\n".join(text.splitlines()[-15:])}
     result = json.loads(out.read_text())
     if result.get("ok"):
         kv = KV_LOG.findall(text)

@@ -151,6 +151,10 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     assert 0 < start["llm_to_ready_s"] <= start["llm_to_first_token_s"] <= start["process_to_first_token_s"]
     assert 0 < report["start"]["ponytail"]["llm_to_ready_s"] <= report["start"]["ponytail"]["llm_to_first_token_s"]
     assert "ponytail / vllm" in result.stdout and "LLM() to first token" in result.stdout
+    again = bench_engine("--workload", "decode", "--peers", "vllm", "--vllm-reuse", "--vllm-workdir",
+                         str(tmp_path / "vllm"))  # results of other requests are not taken
+    assert again.returncode == 1
+    assert f"vllm: skipped: --vllm-reuse: {tmp_path / 'vllm'} holds other workloads or check requests" in again.stdout
 
 
 @pytest.mark.slow
