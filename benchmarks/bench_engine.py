@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import random
 import sys
 import time
@@ -50,7 +49,6 @@ from ponytail.runner.compile import restore_decoder_layers
 from ponytail.utils.units import format_bytes, parse_bytes
 
 import peer_bench
-import peer_workloads
 
 
 def seven_b_model(device) -> torch.nn.Module:
@@ -274,46 +272,25 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--peers", default="plain,generate_batch,ponytail",
-                        help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled")
+                        help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled; side by "
+                             "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
-    side = parser.add_argument_group("side by side with vLLM (benchmarks/peer_bench.py)")
-    side.add_argument("--workload", default="fixed",
-                      help=f"one or more of {', '.join(peer_workloads.WORKLOADS)} (comma-separated), or all; "
-                           f"fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
-    side.add_argument("--model", help="checkpoint directory both engines load (random_checkpoint.py builds one)")
-    side.add_argument("--dtype", help="both engines' dtype (default: each one's own, bf16 on CUDA)")
-    side.add_argument("--seed", type=int, default=0, help="seeds the workloads' lengths and token ids")
-    side.add_argument("--vllm-python", default=sys.executable, help="interpreter vLLM runs under")
-    side.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"),
-                      help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
-    side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
-    side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
-    side.add_argument("--vllm-reuse", action="store_true",
-                      help="take vLLM's results from --vllm-workdir (an earlier run on the same requests)")
+    peer_bench.add_arguments(parser)
     args = parser.parse_args()
     peers = args.peers.split(",")
-    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "vllm"})
+    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "ponytail_eager",
+                                   "vllm"})
     if unknown:
-        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, vllm")
-    workloads = list(peer_workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
-    if not workloads or set(workloads) - set(peer_workloads.WORKLOADS):
-        parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
-                     f"(comma-separated), or all")
-    args.workload = workloads
-    if "vllm" in peers or workloads != ["fixed"] or args.model:
-        in_process = sorted(set(peers) & {"plain", "generate_batch"})
-        if in_process or args.capacity:
-            parser.error(f"--peers {','.join(in_process) or '-'} / --capacity: only with --workload fixed, no "
-                         f"--model and no vllm peer (the side-by-side mode runs ponytail, ponytail_compiled, vllm)")
-        if args.vllm_reuse and not args.vllm_workdir:
-            parser.error("--vllm-reuse needs --vllm-workdir (where the earlier run left vLLM's results)")
-        if args.check_tokens < 0:
-            parser.error(f"--check-tokens {args.check_tokens}: expected 0 (skip the check) or more")
+        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
+                     f"ponytail_eager, vllm")
+    if peer_bench.side_by_side(parser, args, peers):
         return peer_bench.run(args, peers)
+    if "ponytail_eager" in peers:
+        parser.error("--peers ponytail_eager: only in the side-by-side mode (here ponytail is eager)")
     loaded = bench_model(args.small)
     if loaded is None:
         return 2

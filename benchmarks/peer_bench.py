@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -32,7 +33,8 @@ from ponytail.runner.compile import restore_decoder_layers
 import peer_workloads
 from vllm_peer import read_results, run_vllm
 
-VARIANTS = {"ponytail": False, "ponytail_compiled": True}  # peer -> compile_model
+# peer -> compile_model: "ponytail" is LLM's default (None: compiled layers on CUDA, eager on the CPU)
+VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +151,47 @@ def model_shape(model_dir: str) -> tuple[int, int]:
 
     config = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
     return config.vocab_size, int(getattr(config, "max_position_embeddings", 2048))
+
+
+
+def add_arguments(parser) -> None:
+    """bench_engine's flags for this mode."""
+    side = parser.add_argument_group("side by side with vLLM (benchmarks/peer_bench.py)")
+    side.add_argument("--workload", default="fixed",
+                      help=f"one or more of {', '.join(peer_workloads.WORKLOADS)} (comma-separated), or all; "
+                           f"fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
+    side.add_argument("--model", help="checkpoint directory both engines load (random_checkpoint.py builds one)")
+    side.add_argument("--dtype", help="both engines' dtype (default: each one's own, bf16 on CUDA)")
+    side.add_argument("--seed", type=int, default=0, help="seeds the workloads' lengths and token ids")
+    side.add_argument("--vllm-python", default=sys.executable, help="interpreter vLLM runs under")
+    side.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"),
+                      help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
+    side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
+    side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
+    side.add_argument("--vllm-reuse", action="store_true",
+                      help="take vLLM's results from --vllm-workdir (an earlier run on the same requests)")
+
+
+def side_by_side(parser, args, peers: list[str]) -> bool:
+    """Whether bench_engine runs this mode (vllm among the peers, a workload other than fixed, or
+    --model); refuses what the mode cannot run. args.workload becomes a list of names."""
+    workloads = list(peer_workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    if not workloads or set(workloads) - set(peer_workloads.WORKLOADS):
+        parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
+                     f"(comma-separated), or all")
+    args.workload = workloads
+    if not ("vllm" in peers or workloads != ["fixed"] or args.model):
+        return False
+    in_process = sorted(set(peers) & {"plain", "generate_batch"})
+    if in_process or args.capacity:
+        parser.error(f"--peers {','.join(in_process) or '-'} / --capacity: only with --workload fixed, no "
+                     f"--model and no vllm peer (the side-by-side mode runs ponytail, ponytail_eager, "
+                     f"ponytail_compiled, vllm)")
+    if args.vllm_reuse and not args.vllm_workdir:
+        parser.error("--vllm-reuse needs --vllm-workdir (where the earlier run left vLLM's results)")
+    if args.check_tokens < 0:
+        parser.error(f"--check-tokens {args.check_tokens}: expected 0 (skip the check) or more")
+    return True
 
 
 def run(args, peers: list[str]) -> int:

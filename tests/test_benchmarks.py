@@ -137,8 +137,8 @@ def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
                              "--peers", "plain,sglang"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert ("--peers: unknown ['sglang']; allowed: plain, generate_batch, ponytail, ponytail_compiled, vllm"
-            in result.stderr)
+    assert ("--peers: unknown ['sglang']; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
+            "ponytail_eager, vllm" in result.stderr)
 
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
