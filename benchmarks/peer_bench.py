@@ -28,12 +28,12 @@ from rich.table import Table
 import ponytail
 from ponytail import SamplingParams
 from ponytail.bench.output_check import check_outputs
-from ponytail.runner.compile import restore_decoder_layers
+from ponytail.runner.compile import can_compile, restore_decoder_layers
 
 import peer_workloads
 from vllm_peer import read_results, run_vllm
 
-# peer -> compile_model: "ponytail" is LLM's default (None: compiled layers on CUDA, eager on the CPU)
+# peer -> compile_model; None: what LLM(dir) chooses (see compile_for)
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
 
 
@@ -47,6 +47,15 @@ class Replayed:
     """A vLLM check output in the shape check_outputs reads from Ponytail's RequestOutput."""
     token_ids: list[int]
     outputs: list[_Completion]
+
+
+def compile_for(peer: str, model) -> bool:
+    """compile_model for a peer. The model object is handed to LLM here, where LLM's default
+    leaves it eager; "ponytail" gets what `LLM(dir)` chooses when it loads the model itself."""
+    chosen = VARIANTS[peer]
+    if chosen is None:
+        return next(model.parameters()).device.type == "cuda" and can_compile(model)
+    return chosen
 
 
 def greedy(n: int) -> SamplingParams:
@@ -241,7 +250,7 @@ def run(args, peers: list[str]) -> int:
     report["start"]["ponytail"] = start
     verdicts = {}
     for peer in [p for p in peers if p in VARIANTS]:
-        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, VARIANTS[peer])
+        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, compile_for(peer, model))
     if vllm is not None:
         report["start"]["vllm"] = vllm["start"]
         report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
@@ -256,8 +265,9 @@ def run(args, peers: list[str]) -> int:
     if vllm is not None:
         report["results"]["vllm"] = {r["name"]: rates(r) for r in vllm["results"]}
     for peer in [p for p in peers if p in VARIANTS]:
-        report["results"][peer] = {w.name: rates(run_ponytail(model, tokenizer, w, VARIANTS[peer], args.kv_memory,
-                                                              warmup)) for w in workloads}
+        compiled = compile_for(peer, model)
+        report["results"][peer] = {w.name: rates(run_ponytail(model, tokenizer, w, compiled, args.kv_memory, warmup))
+                                   for w in workloads}
     print_table(report, workloads)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
