@@ -5,6 +5,10 @@
     python benchmarks/bench_engine.py --requests 32 --prompt-len 2048 --output-len 2048 --peers ponytail
     python benchmarks/bench_engine.py --peers ponytail --capacity 40GiB   # concurrency in a fixed KV budget
     python benchmarks/bench_engine.py --peers plain,generate_batch,ponytail,ponytail_compiled
+    # side by side with vLLM (peer_bench.py), both engines with their defaults, one checkpoint dir:
+    python benchmarks/bench_engine.py --model /tmp/ponytail-7b-random --workload all \
+        --peers ponytail,ponytail_compiled,vllm --vllm-python /usr/bin/python3 \
+        --vllm-pythonpath /tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages --json peers.json
 
 Peers: plain `model.generate` on the whole batch, transformers' continuous batching
 (`generate_batch`), and `ponytail.LLM`, eager (`ponytail`) or with compile_model=True
@@ -21,6 +25,9 @@ at max_seq_len (--capacity-max-len) holds in the same budget.
 
 --small also runs a seeded chat workload through Ponytail's engine (chat_workload: a shared chat
 opening, one prompt in six 1-2k tokens long) and reports the time of each engine step.
+
+--peers with vllm, --workload other than fixed, or --model: the side-by-side mode of peer_bench.py
+(workloads in peer_workloads.py; vLLM in its own process, vllm_peer.py).
 """
 
 from __future__ import annotations
@@ -29,7 +36,6 @@ import argparse
 import gc
 import json
 import random
-import statistics
 import sys
 import time
 
@@ -41,6 +47,8 @@ from ponytail import SamplingParams
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import restore_decoder_layers
 from ponytail.utils.units import format_bytes, parse_bytes
+
+import peer_bench
 
 
 def seven_b_model(device) -> torch.nn.Module:
@@ -264,17 +272,25 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--peers", default="plain,generate_batch,ponytail",
-                        help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled")
+                        help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled; side by "
+                             "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--json")
+    peer_bench.add_arguments(parser)
     args = parser.parse_args()
     peers = args.peers.split(",")
-    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled"})
+    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "ponytail_eager",
+                                   "vllm"})
     if unknown:
-        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled")
+        parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
+                     f"ponytail_eager, vllm")
+    if peer_bench.side_by_side(parser, args, peers):
+        return peer_bench.run(args, peers)
+    if "ponytail_eager" in peers:
+        parser.error("--peers ponytail_eager: only in the side-by-side mode (here ponytail is eager)")
     loaded = bench_model(args.small)
     if loaded is None:
         return 2

@@ -135,10 +135,10 @@ def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_
 
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
-                             "--peers", "plain,vllm"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                             "--peers", "plain,sglang"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert ("--peers: unknown ['vllm']; allowed: plain, generate_batch, ponytail, ponytail_compiled"
-            in result.stderr)
+    assert ("--peers: unknown ['sglang']; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
+            "ponytail_eager, vllm" in result.stderr)
 
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():

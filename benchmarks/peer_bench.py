@@ -1,0 +1,314 @@
+"""bench_engine.py's side-by-side mode: Ponytail with its defaults against vLLM with its defaults,
+over the workloads of peer_workloads.py, from one checkpoint directory.
+
+Order: vLLM first, in its own process (vllm_peer.py), before this process touches the device,
+since vLLM reserves 90% of the device memory at start; then Ponytail here. Each side's start is
+timed: vLLM from process start (and from `LLM()`) to engine ready and to the first token of the
+first request; Ponytail from `LLM(dir)` to the same. Then each side's greedy tokens on a short
+sample are judged by ponytail.bench.output_check (the float32 judge of `ponytail bench`): a token
+other than the fp32 reference's best passes only within the dtype's rounding bound. A side that
+fails is not timed; `--check-tokens 0` skips the check and says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+import ponytail
+from ponytail import SamplingParams
+from ponytail.bench.output_check import check_outputs
+from ponytail.runner.compile import can_compile, restore_decoder_layers
+
+import peer_workloads
+from vllm_peer import read_results, run_vllm
+
+# peer -> compile_model; None: what LLM(dir) chooses (see compile_for)
+VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
+
+
+@dataclass(frozen=True, slots=True)
+class _Completion:
+    logprobs: list[dict[int, float]]  # per step, token id -> logprob, as Ponytail's outputs carry them
+
+
+@dataclass(frozen=True, slots=True)
+class Replayed:
+    """A vLLM check output in the shape check_outputs reads from Ponytail's RequestOutput."""
+    token_ids: list[int]
+    outputs: list[_Completion]
+
+
+def compile_for(peer: str, model) -> bool:
+    """compile_model for a peer. The model object is handed to LLM here, where LLM's default
+    leaves it eager; "ponytail" gets what `LLM(dir)` chooses when it loads the model itself."""
+    chosen = VARIANTS[peer]
+    if chosen is None:
+        return next(model.parameters()).device.type == "cuda" and can_compile(model)
+    return chosen
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def percentile(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def ponytail_start(model_arg: str, first_prompt: list[int], dtype) -> tuple[dict, object, object]:
+    """Seconds from `LLM(dir)` (loading included) to ready and to the first token of one request;
+    returns the loaded (model, tokenizer) for the rest of the run."""
+    t0 = time.perf_counter()
+    llm = ponytail.LLM(model_arg, dtype=dtype)
+    ready = time.perf_counter()
+    llm.generate([first_prompt], greedy(1))
+    sync()
+    first = time.perf_counter()
+    model, tokenizer = llm.engine.model, llm.engine.tokenizer
+    del llm
+    gc.collect()
+    return {"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0}, model, tokenizer
+
+
+def check_ponytail(model, tokenizer, prompts, steps, compile_model):
+    def generate(batch, params):  # builds, runs and drops its engine, as check_outputs asks
+        llm = ponytail.LLM(model, tokenizer=tokenizer, max_num_seqs=len(batch),
+                           max_model_len=max(len(p) for p in batch) + steps, compile_model=compile_model)
+        try:
+            return llm.generate(batch, params)
+        finally:
+            restore_decoder_layers(model)
+
+    return check_outputs(model, prompts, steps, generate)
+
+
+def check_vllm(model, prompts, steps, checked: list[dict]):
+    """vLLM's tokens (already generated, with top logprobs) judged like Ponytail's."""
+    replayed = [Replayed(c["token_ids"], [_Completion([{int(t): v for t, v in step.items()} for step in c["logprobs"]])])
+                for c in checked]
+    return check_outputs(model, prompts, steps, lambda batch, params: replayed)
+
+
+def verdict_line(peer: str, verdict) -> str:
+    if not verdict.checked:
+        return f"{peer}: output check skipped (--check-tokens 0): its speeds are not backed by a correctness check"
+    side = verdict.ponytail
+    line = (f"{peer}: output check {'PASS' if verdict.passed else 'FAIL'}: {side.exact_steps}/"
+            f"{verdict.requests * verdict.steps} the fp32 reference's top token, {len(side.near_ties)} near ties "
+            f"(within {verdict.tolerance:.3g} logits), {len(side.wrong)} wrong")
+    for flip in side.wrong[:3]:
+        line += (f"\n  WRONG: request {flip.row} step {flip.step}: chose {flip.chosen}, the reference's best "
+                 f"{flip.best} is {flip.gap:.3g} logits higher")
+    return line
+
+
+def run_ponytail(model, tokenizer, work, compile_model, kv_memory, warmup) -> dict:
+    """One workload on a fresh engine with Ponytail's defaults (a short unrelated request first)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, compile_model=compile_model)
+    try:
+        llm.generate([warmup], greedy(2))
+        sync()
+        t0 = time.perf_counter()
+        outputs = llm.generate(work.prompts, [greedy(n) for n in work.output_lens])
+        sync()
+        seconds = time.perf_counter() - t0
+    finally:
+        restore_decoder_layers(model)
+    config = llm.engine.cache.config
+    ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
+    need = (work.prompt_tokens + work.output_tokens) * config.bytes_per_token + len(work.prompts) * config.block_bytes
+    result = {"seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outputs),
+              "prompt_tokens": work.prompt_tokens, "ttfts": sorted(ttfts),
+              "kv_pool_peak_bytes": llm.engine.cache.peak_allocated_bytes, "kv_all_requests_need_bytes": need,
+              "preemptions": llm.stats().num_preemptions}
+    del llm, outputs
+    return result
+
+
+def rates(result: dict) -> dict:
+    """Adds tokens/s and TTFT percentiles to a side's raw result."""
+    seconds = result["seconds"]
+    ttfts = result.pop("ttfts", [])
+    return {**result, "output_tokens_per_s": result["output_tokens"] / seconds,
+            "prompt_tokens_per_s": result["prompt_tokens"] / seconds,
+            "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99)}
+
+
+def model_shape(model_dir: str) -> tuple[int, int]:
+    """(vocab size, positions) from the checkpoint's config, without loading weights."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True).get_text_config()
+    return config.vocab_size, int(getattr(config, "max_position_embeddings", 2048))
+
+
+
+def add_arguments(parser) -> None:
+    """bench_engine's flags for this mode."""
+    side = parser.add_argument_group("side by side with vLLM (benchmarks/peer_bench.py)")
+    side.add_argument("--workload", default="fixed",
+                      help=f"one or more of {', '.join(peer_workloads.WORKLOADS)} (comma-separated), or all; "
+                           f"fixed: --requests/--prompt-len/--output-len; the others: see peer_workloads.py")
+    side.add_argument("--model", help="checkpoint directory both engines load (random_checkpoint.py builds one)")
+    side.add_argument("--dtype", help="both engines' dtype (default: each one's own, bf16 on CUDA)")
+    side.add_argument("--seed", type=int, default=0, help="seeds the workloads' lengths and token ids")
+    side.add_argument("--vllm-python", default=sys.executable, help="interpreter vLLM runs under")
+    side.add_argument("--vllm-pythonpath", default=os.environ.get("VLLM_PYTHONPATH"),
+                      help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
+    side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
+    side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
+    side.add_argument("--vllm-reuse", action="store_true",
+                      help="take vLLM's results from --vllm-workdir (an earlier run on the same requests)")
+
+
+def side_by_side(parser, args, peers: list[str]) -> bool:
+    """Whether bench_engine runs this mode (vllm among the peers, a workload other than fixed, or
+    --model); refuses what the mode cannot run. args.workload becomes a list of names."""
+    workloads = list(peer_workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
+    if not workloads or set(workloads) - set(peer_workloads.WORKLOADS):
+        parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
+                     f"(comma-separated), or all")
+    args.workload = workloads
+    if not ("vllm" in peers or workloads != ["fixed"] or args.model):
+        return False
+    in_process = sorted(set(peers) & {"plain", "generate_batch"})
+    if in_process or args.capacity:
+        parser.error(f"--peers {','.join(in_process) or '-'} / --capacity: only with --workload fixed, no "
+                     f"--model and no vllm peer (the side-by-side mode runs ponytail, ponytail_eager, "
+                     f"ponytail_compiled, vllm)")
+    if args.vllm_reuse and not args.vllm_workdir:
+        parser.error("--vllm-reuse needs --vllm-workdir (where the earlier run left vLLM's results)")
+    if args.check_tokens < 0:
+        parser.error(f"--check-tokens {args.check_tokens}: expected 0 (skip the check) or more")
+    return True
+
+
+def run(args, peers: list[str]) -> int:
+    model_dir = args.model
+    if model_dir is None:
+        from ponytail.models.loader import default_checkpoint
+
+        model_dir = str(default_checkpoint())
+    vocab, max_len = model_shape(model_dir)
+    try:
+        workloads = peer_workloads.build_all(args.workload, vocab, max_len, seed=args.seed, small=args.small,
+                                             fixed=(4, 32, 16) if args.small else
+                                             (args.requests, args.prompt_len, args.output_len))
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    check = peer_workloads.check_prompts(vocab, requests=2 if args.small else 4, seed=args.seed)
+    warmup = peer_workloads.check_prompts(vocab, requests=1, length=8, seed=args.seed + 1)[0]
+    report = {"model": model_dir, "workloads": {w.name: {"requests": len(w.prompts), "prompt_tokens": w.prompt_tokens,
+                                                         "output_tokens": w.output_tokens} for w in workloads},
+              "start": {}, "check": {}, "results": {}, "skipped": {}}
+
+    vllm = None
+    if "vllm" in peers:  # first: before this process holds any device memory
+        # The dtype Ponytail will run in (its default: bf16 on CUDA, fp32 on the CPU), not the config's.
+        dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+        request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup,
+                   "check": {"prompts": check, "steps": args.check_tokens},
+                   "workloads": [w.to_json() for w in workloads]}
+        workdir = Path(args.vllm_workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
+        if args.vllm_reuse:  # an earlier run's results, on the same requests (checked below)
+            vllm = read_results(workdir)
+            same = [(r["name"], r["prompt_tokens"]) for r in vllm.get("results", [])] == \
+                [(w.name, w.prompt_tokens) for w in workloads] and len(vllm.get("check", [])) == len(check)
+            if vllm["ok"] and not same:
+                vllm = {"ok": False, "error": f"--vllm-reuse: {workdir} holds other workloads or check requests"}
+        else:
+            vllm = run_vllm(args.vllm_python, args.vllm_pythonpath, request, workdir, args.vllm_timeout)
+        if not vllm["ok"]:
+            print(f"vllm: skipped: {vllm['error']}")
+            report["skipped"]["vllm"] = vllm["error"]
+            vllm = None
+            if not any(p in VARIANTS for p in peers):
+                return 1  # nothing left to run
+
+    start, model, tokenizer = ponytail_start(model_dir, workloads[0].prompts[0], args.dtype)
+    report["start"]["ponytail"] = start
+    verdicts = {}
+    for peer in [p for p in peers if p in VARIANTS]:
+        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, compile_for(peer, model))
+    if vllm is not None:
+        report["start"]["vllm"] = vllm["start"]
+        report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
+        verdicts["vllm"] = check_vllm(model, check, args.check_tokens, vllm["check"])
+    for peer, verdict in verdicts.items():
+        print(verdict_line(peer, verdict))
+        report["check"][peer] = verdict.to_dict()
+        if not verdict.passed:
+            print(f"{peer} produces wrong tokens: not timed", file=sys.stderr)
+            return 1
+
+    if vllm is not None:
+        report["results"]["vllm"] = {r["name"]: rates(r) for r in vllm["results"]}
+    for peer in [p for p in peers if p in VARIANTS]:
+        compiled = compile_for(peer, model)
+        report["results"][peer] = {w.name: rates(run_ponytail(model, tokenizer, w, compiled, args.kv_memory, warmup))
+                                   for w in workloads}
+    print_table(report, workloads)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def print_table(report: dict, workloads) -> None:
+    engines = list(report["results"])
+    ours = [e for e in engines if e != "vllm"]
+    table = Table(title=f"tokens/s (output; prompt for prefill), {report['model']}")
+    table.add_column("workload")
+    for engine in engines:
+        table.add_column(engine, justify="right")
+    if "vllm" in engines:
+        for engine in ours:
+            table.add_column(f"{engine} / vllm", justify="right")
+    for work in workloads:
+        key = f"{work.metric}_tokens_per_s"
+        values = {e: report["results"][e][work.name][key] for e in engines}
+        cells = [f"{values[e]:,.1f}" for e in engines]
+        if "vllm" in engines:
+            cells += [f"{values[e] / values['vllm']:.2f}x" for e in ours]
+        table.add_row(f"{work.name} ({len(work.prompts)} req, {work.prompt_tokens:,} in, {work.output_tokens:,} out)",
+                      *cells)
+    start = report["start"]
+    cells = [f"{start[e]['llm_to_first_token_s']:.1f} s" if e in start else "-" for e in engines]
+    if "vllm" in engines:
+        cells += [f"{start['vllm']['llm_to_first_token_s'] / start[e]['llm_to_first_token_s']:.2f}x"
+                  if e in start else "-" for e in ours]  # timed for LLM's defaults ("ponytail") only
+    table.add_row("LLM() to first token (ratio: vllm's time / ours)", *cells)
+    console = Console(width=max(Console().width, 120))
+    console.print(table)
+    if "vllm" in start:
+        v = start["vllm"]
+        kv = report["vllm"]["kv"]
+        console.print(f"vllm {report['vllm']['version']}: process start to ready {v['process_to_ready_s']:.1f} s, to "
+                      f"first token {v['process_to_first_token_s']:.1f} s; reserved KV "
+                      f"{kv.get('reserved_gib_logged')} GiB ({kv.get('tokens_logged')} tokens, "
+                      f"{kv.get('num_gpu_blocks')} blocks of {kv.get('block_size')})")
+    for engine in ours:
+        for name, r in report["results"][engine].items():
+            console.print(f"{engine} {name}: KV pool peak {r['kv_pool_peak_bytes'] / 1e9:.2f} GB (all requests at once "
+                          f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
+                          f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
