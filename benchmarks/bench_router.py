@@ -4,6 +4,7 @@
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --rounds 2 --gaps 1.0,1.5,2.0
     python benchmarks/bench_router.py --small                                # CPU sanity run, default model
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --workload chat   # prefix affinity
+    python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --workload chat --replicas-per-gpu 2
 
 Two Serve apps with identical engine replicas differ only in their request router. Each gets the
 same skewed workload through the OpenAI API: long prompts (4k tokens on GPUs) among short ones,
@@ -230,6 +231,8 @@ def main() -> int:
     parser.add_argument("--pool-share", type=float, default=0.5,
                         help="chat: each replica's KV pool holds this share of all sessions' final contexts "
                         "(default 0.5: the two pools hold them all only if no prefix is cached twice)")
+    parser.add_argument("--replicas-per-gpu", type=int, default=1, choices=(1, 2),
+                        help="2: both replicas on one GPU (num_gpus 0.5 each, each with the KV budget below)")
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.long_per_burst is not None and args.long_per_burst < 0:
@@ -254,7 +257,7 @@ def main() -> int:
                      max_model_len=4224)
         shape = ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=4, system_words=700, user_words=100,
                           max_tokens=128, session_gap_s=0.1, think_s=0.5)
-        engine = dict(device="cuda", max_num_seqs=64)
+        engine = dict(device="cuda", max_num_seqs=64, num_gpus=1 / args.replicas_per_gpu)
         gaps = args.gaps or [shape.session_gap_s if chat else 1.0]
     assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
     assert shape.context_tokens <= sizes["max_model_len"]

@@ -144,10 +144,11 @@ def build(args: AppArgs | dict | None = None):
     AppArgs itself only when the annotation is a class, not this module's postponed string."""
     settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
+    settings = settings.for_device(gpu)
     engine_deployment = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        ray_actor_options={"num_gpus": (settings.gpu_memory_utilization or 1) if gpu else 0, "num_cpus": 1},
+        ray_actor_options={"num_gpus": settings.replica_num_gpus if gpu else 0, "num_cpus": 1},
         autoscaling_config=AutoscalingConfig(min_replicas=settings.min_replicas,
                                              max_replicas=settings.max_replicas,
                                              target_ongoing_requests=settings.target_ongoing_requests,

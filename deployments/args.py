@@ -25,6 +25,11 @@ ROUTERS = {
     "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",  # Serve's default
 }
 DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's name in the API
+# Device-sized defaults: a GPU engine's step costs about the same for 64 or 256 decode rows (small
+# models are host-bound), so a GPU replica batches wide; a CPU step's time grows with its rows.
+GPU_MAX_NUM_SEQS = 256
+CPU_MAX_NUM_SEQS = 64
+CPU_TARGET_ONGOING = 16
 
 
 class AppArgs(BaseModel):
@@ -45,13 +50,19 @@ class AppArgs(BaseModel):
     gpu_memory_utilization: float | None = Field(
         None, description="per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the "
                           "replica's num_gpus, so 0.45 puts two replicas on one GPU; excludes kv_cache_memory")
-    max_num_seqs: int = Field(64, description="sequences one replica runs at once")
+    num_gpus: float | None = Field(None, description="GPUs per engine replica as Ray counts them (0.5: two "
+                                   "replicas per GPU, each with its own kv_cache_memory); unset: "
+                                   "gpu_memory_utilization, else 1")
+    max_num_seqs: int | None = Field(None, description="sequences one replica runs at once; unset: "
+                                     f"{GPU_MAX_NUM_SEQS} on a GPU, {CPU_MAX_NUM_SEQS} on a CPU")
     max_model_len: int | None = Field(None, description="longest prompt + output in tokens; unset: "
                                       "the model's")
     block_size: int = Field(DEFAULT_BLOCK_SIZE, description="tokens per KV block")
     min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
     max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
-    target_ongoing_requests: float = Field(16, description="requests per replica the autoscaler aims at")
+    target_ongoing_requests: float | None = Field(
+        None, description="requests per replica the autoscaler aims at; unset: max_num_seqs on a GPU (a new "
+                          f"replica when one's batch is full), {CPU_TARGET_ONGOING} on a CPU")
     max_queued_requests: int = Field(256, description="requests waiting for a replica (router hold included); "
                                      "beyond this: 503")
     max_ongoing_requests: int | None = Field(None, description="per replica, running + queued in its engine; "
@@ -68,8 +79,8 @@ class AppArgs(BaseModel):
                               "has room, seconds (0: never)")
     prefix_weight: float = Field(2.0, description="prefix: what a fully cached prompt weighs against pool "
                                  "use and load (each 0-1); 0: no affinity")
-    compile_model: bool = Field(False, description="torch.compile the decoder layers: ~21% more decode "
-                                "tokens/s on a 7B (H200), slower start")
+    compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
+                                       "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
@@ -110,9 +121,11 @@ class AppArgs(BaseModel):
     def _compile_model(cls, value: object) -> object:
         # pydantic would take "yes" or 1 as true; keep app.yaml's booleans booleans ("true" from the
         # command line included, as pydantic reads it).
-        if not isinstance(value, bool) and str(value).lower() not in ("true", "false"):
-            raise ValueError(f"compile_model={value!r} is not supported; allowed: true, false")
-        return value
+        if value is None or isinstance(value, bool) or str(value).lower() in ("true", "false"):
+            return value
+        if str(value).lower() in ("null", "none"):
+            return None
+        raise ValueError(f"compile_model={value!r} is not supported; allowed: true, false, null (on for GPUs)")
 
     @field_validator("max_hold_s")
     @classmethod
@@ -158,6 +171,14 @@ class AppArgs(BaseModel):
             raise ValueError(f"{info.field_name}={value:g} is not supported; allowed: seconds > 0")
         return value
 
+    @field_validator("num_gpus")
+    @classmethod
+    def _num_gpus(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"num_gpus={value:g} is not supported; allowed: a number > 0 (fractions share a GPU), "
+                             "or null")
+        return value
+
     @field_validator("gpu_memory_utilization")
     @classmethod
     def _gpu_share(cls, value: float | None) -> float | None:
@@ -184,6 +205,17 @@ class AppArgs(BaseModel):
         """The HTTP gate's policy; the API key from the args, else from PONYTAIL_API_KEY."""
         return AccessPolicy(api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
                             cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes)
+
+    def for_device(self, gpu: bool) -> AppArgs:
+        """These args with the device-sized defaults filled in (what build() deploys)."""
+        seqs = self.max_num_seqs or (GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS)
+        target = self.target_ongoing_requests or (seqs if gpu else CPU_TARGET_ONGOING)
+        return self.model_copy(update={"max_num_seqs": seqs, "target_ongoing_requests": target})
+
+    @property
+    def replica_num_gpus(self) -> float:
+        """The engine replica's num_gpus on a GPU cluster."""
+        return self.num_gpus or self.gpu_memory_utilization or 1
 
     @property
     def replica_max_ongoing_requests(self) -> int:

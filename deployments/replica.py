@@ -28,7 +28,7 @@ class EngineReplica:
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
-                 model_id: str | None = None, compile_model: bool = False, stream_interval_s: float = 0.0,
+                 model_id: str | None = None, compile_model: bool | None = None, stream_interval_s: float = 0.0,
                  gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
                  model_alias: str | None = None):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local

@@ -13,6 +13,7 @@ from .errors import ConfigError
 from .engine.llm_engine import LLMEngine
 from .engine.stats import EngineStats
 from .models.loader import load_model
+from .runner.compile import can_compile
 from .engine.request import RequestOutput
 from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
@@ -26,6 +27,10 @@ GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the
 # A CPU step's time grows with its tokens: a long prompt in 256-token chunks keeps each step beside
 # running streams within a few decode steps' time (docs/engine.md), where 2048 stalled them for seconds.
 CPU_BATCHED_TOKENS = 256
+# On a GPU a prefill step's time barely grows below a few thousand tokens (the weights are read once
+# per step either way), so a larger budget is more prompt tokens per weight read: vLLM's online
+# default for this class of device. docs/benchmarks.md measures it against 2,048.
+GPU_BATCHED_TOKENS = 8192
 POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
 
 
@@ -37,13 +42,16 @@ class LLM:
 
     async_scheduling: launch each step before the previous one's tokens are read back, so the
     device never waits for the host (same outputs); None: on for CUDA devices, off on the CPU.
+    compile_model: torch.compile the decoder layers (inductor fuses the norms, rotary and SiLU
+    between the GEMMs); None: on for CUDA devices where the model has a `layers` list. Inductor
+    caches its kernels on disk (TORCHINDUCTOR_CACHE_DIR), so later starts skip most of the compile.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
                  kv_cache_memory: int | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
-                 compile_model: bool = False, async_scheduling: bool | None = None,
+                 compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None):
         if model is None or isinstance(model, str):
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -53,7 +61,7 @@ class LLM:
         if max_model_len is None:
             max_model_len = int(getattr(text_config, "max_position_embeddings", 2048))
         if max_num_batched_tokens is None:
-            budget = CPU_BATCHED_TOKENS if device.type == "cpu" else 2048
+            budget = CPU_BATCHED_TOKENS if device.type == "cpu" else GPU_BATCHED_TOKENS
             max_num_batched_tokens = max(budget, max_num_seqs)
         if max_num_batched_tokens < max_num_seqs:
             raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
@@ -62,6 +70,11 @@ class LLM:
             cuda_graphs = device.type == "cuda"
         elif cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
+        if compile_model is None:
+            compile_model = device.type == "cuda" and can_compile(model)
+        elif not isinstance(compile_model, bool):
+            raise ConfigError(f"compile_model={compile_model!r} must be True, False or None "
+                              "(None: on for CUDA devices where the model supports it)")
         if async_scheduling is None:
             async_scheduling = device.type == "cuda"  # on the CPU the forward pass runs at launch: nothing to overlap
         elif not isinstance(async_scheduling, bool):

@@ -48,7 +48,7 @@ def add_serve_parser(commands: Any) -> None:
         if name == "model":
             continue
         flag = "--" + name.replace("_", "-")
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):  # --compile-model / --no-compile-model; unset: auto
             serve.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=_help(field.description, field.default))
         else:
@@ -160,7 +160,7 @@ def _flag(name: str) -> str:
 def _metavar(name: str, annotation: object) -> str:
     if name.endswith("_s"):
         return "SECONDS"
-    return {int: "N", int | None: "N", float: "X"}.get(annotation, "VALUE")
+    return {int: "N", int | None: "N", float: "X", float | None: "X"}.get(annotation, "VALUE")
 
 
 def _help(description: str | None, default: object) -> str:

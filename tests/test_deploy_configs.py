@@ -34,7 +34,7 @@ def test_app_args_are_checked():
         AppArgs(min_replicas=3, max_replicas=2)
     with pytest.raises(ValueError, match="router='random' is not supported; allowed: kv_blocks, prefix, power_of_two"):
         AppArgs(router="random")
-    with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false"):
+    with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false, null"):
         AppArgs(compile_model="yes")
     with pytest.raises(ValueError, match=r"max_hold_s=-1 is not supported; allowed: seconds >= 0 \(0: never hold\)"):
         AppArgs(max_hold_s=-1)
@@ -88,6 +88,22 @@ def test_engine_arguments_reach_the_replica_constructor():
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)
     assert named["model_id"] == named["model_alias"] == "mine"
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
+
+
+def test_unset_batch_and_autoscaling_args_are_sized_to_the_device():
+    from deployments.app import AppArgs
+
+    gpu, cpu = AppArgs().for_device(gpu=True), AppArgs().for_device(gpu=False)
+    assert (gpu.max_num_seqs, gpu.target_ongoing_requests, gpu.replica_max_ongoing_requests) == (256, 256, 512)
+    assert (cpu.max_num_seqs, cpu.target_ongoing_requests, cpu.replica_max_ongoing_requests) == (64, 16, 128)
+    mine = AppArgs(max_num_seqs=32, target_ongoing_requests=4).for_device(gpu=True)
+    assert (mine.max_num_seqs, mine.target_ongoing_requests) == (32, 4)  # what the operator set stays
+    assert AppArgs(max_num_seqs=32).for_device(gpu=True).target_ongoing_requests == 32
+    assert AppArgs().compile_model is None and AppArgs(compile_model="null").compile_model is None
+    assert (AppArgs().replica_num_gpus, AppArgs(gpu_memory_utilization=0.45).replica_num_gpus) == (1, 0.45)
+    assert AppArgs(num_gpus=0.5, kv_cache_memory="8GiB").replica_num_gpus == 0.5
+    with pytest.raises(ValueError, match=r"num_gpus=0 is not supported; allowed: a number > 0"):
+        AppArgs(num_gpus=0)
 
 
 def test_cluster_yaml_matches_the_cluster_launchers_schema():

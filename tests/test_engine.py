@@ -414,8 +414,18 @@ def test_compiled_decoder_layers_keep_greedy_output(small_model):
     assert not any("forward" in vars(layer) for layer in model.model.layers)
 
 
+def test_compile_defaults_to_off_on_the_cpu(small_model):
+    model, tokenizer = small_model
+    ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128)
+    assert not any("forward" in vars(layer) for layer in model.model.layers)
+    with pytest.raises(ConfigError, match="compile_model='yes' must be True, False or None"):
+        ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", compile_model="yes")
+
+
 def test_compile_model_names_what_it_needs():
-    from ponytail.runner.compile import decoder_layers
+    from ponytail.runner.compile import can_compile, decoder_layers
+
+    assert not can_compile(torch.nn.Linear(2, 2))  # compile_model=None leaves such a model eager
 
     with pytest.raises(ConfigError, match="compile_model=True needs a decoder with a `layers` list; Linear"):
         decoder_layers(torch.nn.Linear(2, 2))

@@ -35,6 +35,15 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return layers
 
 
+def can_compile(model) -> bool:
+    """Whether compile_decoder_layers supports this model (a decoder with a `layers` list)."""
+    try:
+        decoder_layers(model)
+    except ConfigError:
+        return False
+    return True
+
+
 def compile_decoder_layers(model) -> int:
     """Compile every decoder layer's forward in place (dynamic batch sizes); returns how many.
 
