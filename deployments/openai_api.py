@@ -354,7 +354,8 @@ class _OpenAIServer:
 
     def metrics(self, info: ModelInfo) -> ApiMetrics:
         if self._metrics is None:
-            self._metrics = ApiMetrics(info.model_id)
+            # Labelled with the short name when the served one is a path: stable across machines.
+            self._metrics = ApiMetrics(info.aliases[0] if info.aliases else info.model_id)
         return self._metrics
 
     async def metrics_text(self) -> Response:

@@ -156,7 +156,6 @@ def test_behind_serve_one_request_id_metrics_tokenize_and_echo(app):
         assert json.load(response)["count"] >= 1
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as response:
         text = response.read().decode()
-    served = client.models.list().data[0].id
-    assert f'ponytail:generation_tokens_total{{model_name="{served}"}}' in text
+    assert f'ponytail:generation_tokens_total{{model_name="{MODEL}"}}' in text  # the short name, not the path
     assert "ponytail:kv_cache_usage_perc{" in text
     assert client.models.list().data[0].root

@@ -29,12 +29,12 @@ from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
-from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
+from .request import PLACEHOLDER_TOKEN, Request, RequestOutput
 from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
-from .samples import fork_members, returned, start_group
+from .samples import fork_samples, request_output, start_group
 from .scheduler import Scheduler
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
@@ -51,8 +51,8 @@ class StepOutput:
     request: Request  # with several samples (n > 1, best_of), the one that produced this
     new_token_ids: list[int]
     delta_text: str
-    finished: bool  # this sequence finished
-    done: bool = False  # the whole request did (every sample): its last output says so
+    finished: bool  # this sequence finished; done: the whole request (every sample), on its last output
+    done: bool = False
 
 
 @dataclass(slots=True)
@@ -135,9 +135,6 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
-        if "\0" in request_id:
-            raise ConfigError(f"request_id={request_id!r:.80} holds a NUL character; allowed: ids without one "
-                              "(the engine names a request's extra samples with it)")
         token_ids = self._prompt_token_ids(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
@@ -159,13 +156,11 @@ class LLMEngine:
             request.grammar = RequestGrammar(request.grammar_ready.result())  # ConfigError if it failed
         self.scheduler.add(request)
         self.requests[request.request_id] = request
-        self._track(request)
+        self.track(request)
 
-    def _track(self, request: Request) -> None:
-        """A sequence's detokenizer and generator."""
-        self._detokenizers[request.request_id] = (
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-            if self.tokenizer is not None else NoTextDetokenizer())
+    def track(self, request: Request) -> None:  # a sequence's detokenizer and generator
+        self._detokenizers[request.request_id] = (IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params) if self.tokenizer is not None else NoTextDetokenizer())
         self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -184,16 +179,14 @@ class LLMEngine:
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now, every sample of it; their blocks go back to the pool. False if it is
-        unknown or done."""
+        """Stop a request now (every sample); its blocks go back to the pool. False if unknown or done."""
         request = self.requests.get(request_id)
         if request is None or request.done:
             return False
-        for member in (request.group.members if request.group is not None else [request]):
-            if not member.finished:
-                member.finish("abort")
-                member.drop_placeholder()  # a step in flight still samples for it: that row is ignored
-                self._release(member)
+        for member in [m for m in request.members if not m.finished]:
+            member.finish("abort")
+            member.drop_placeholder()  # a step in flight still samples for it: that row is ignored
+            self._release(member)
         return True
 
     def has_unfinished(self) -> bool:
@@ -283,7 +276,7 @@ class LLMEngine:
         requests = [chunk.request for chunk in chunks if chunk.samples]
         if not requests:
             return _Launched(chunks, [], [], None, None, penalized=False)
-        requests, logits = self._fork(requests, logits)
+        requests, logits = fork_samples(self, requests, logits)  # n > 1: prefills that just ended fork
         live = [not r.finished for r in requests]  # a finished row samples greedily, for nobody
         grammars = [r.grammar if ok else None for r, ok in zip(requests, live)]
         batch = SamplingBatch.build([r.params if ok else _IGNORED_ROW for r, ok in zip(requests, live)],
@@ -305,32 +298,6 @@ class LLMEngine:
             request.pending_row = row
             promises.grew(request)
         return _Launched(chunks, requests, indexes, result, host, penalized=batch.output_tokens is not None)
-
-    def _fork(self, requests: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
-        """Parents whose prefill just ended (n > 1, best_of) fork their other samples: these share
-        the prompt's blocks and sample their first token from a copy of the parent's logits row.
-        Returns the sampling rows with the new samples after their parent, and their logits."""
-        if not any(r.group is not None and r.group.unforked and not r.finished for r in requests):
-            return requests, logits
-        rows, expanded = [], []
-        for row, request in enumerate(requests):
-            rows.append(row)
-            expanded.append(request)
-            if request.group is None or not request.group.unforked or request.finished:
-                continue
-            # The prompt's blocks are complete: offer them to the prefix cache before the children
-            # copy the parent's bookkeeping, so nobody offers them twice.
-            self.cache.mark_computed(request.request_id, request.num_computed_tokens)
-            grammar_source = request.grammar_ready.result() if request.grammar is not None else None
-            for child in fork_members(request):
-                self.cache.fork(request.request_id, child.request_id)
-                if grammar_source is not None:
-                    child.grammar = RequestGrammar(grammar_source)
-                self._track(child)
-                self.scheduler.adopt(child)
-                rows.append(row)
-                expanded.append(child)
-        return expanded, logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _finish_in_flight(self) -> list[StepOutput]:
         launched, self._in_flight = self._in_flight, None
@@ -404,32 +371,13 @@ class LLMEngine:
     # ------------------------------------------------------------- results
     def output(self, request: Request) -> RequestOutput:
         """A request's output so far: one completion per sample (see samples.returned for best_of)."""
-        group = request.group
-        members = [request] if group is None else returned(group)
-        wants_logprobs = (request.params if group is None else group.params).logprobs is not None
-        completions = [self._completion(index if group is not None and group.done else member.index, member,
-                                        wants_logprobs)
-                       for index, member in enumerate(members)]
-        error = next((m.error for m in members if m.error is not None), None)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=completions,
-                             finished=request.done, metrics=request.metrics, error=error,
-                             prompt_logprobs=request.prompt_logprobs)
-
-    def _completion(self, index: int, request: Request, wants_logprobs: bool) -> CompletionOutput:
-        detok = self._detokenizers[request.request_id]
-        computed = request.params.logprobs is not None  # best_of records them for its ranking
-        return CompletionOutput(index=index, text=detok.text, token_ids=list(request.known_output_token_ids),
-                                finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                                logprobs=request.logprobs if wants_logprobs else None,
-                                cumulative_logprob=request.cumulative_logprob if computed else None)
+        return request_output(request, lambda member: self._detokenizers[member.request_id].text)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""
         request = self.requests.pop(request_id, None)
-        members = request.group.members if request is not None and request.group is not None else []
-        for member_id in [request_id] + [m.request_id for m in members[1:]]:
-            self._detokenizers.pop(member_id, None)
+        for member in (request.members if request is not None else []):
+            self._detokenizers.pop(member.request_id, None)
 
     def stats(self) -> EngineStats:
         """Plain counters: any thread may call it without waiting for a step (the numbers are

@@ -74,6 +74,11 @@ class Request:
         return self.finished if self.group is None else self.group.done
 
     @property
+    def members(self) -> list[Request]:
+        """Every sequence of its request: its group's samples, or itself alone."""
+        return [self] if self.group is None else self.group.members
+
+    @property
     def root(self) -> Request:
         """The request this sequence is a sample of (itself, or its parent)."""
         return self if self.group is None else self.group.members[0]

@@ -10,12 +10,19 @@ from then on: own generator (seed + index), detokenizer, grammar matcher, preemp
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
-from .request import Request, RequestMetrics, RequestStatus, SampleGroup
+import torch
+
+from ..errors import ConfigError
+from ..sampling.grammar import RequestGrammar
+from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus, SampleGroup
 
 
 def start_group(parent: Request) -> None:
     """Make `parent` (params: what the caller gave) the first of its request's samples."""
+    if "\0" in parent.request_id:  # member_id names the other samples with it
+        raise ConfigError(f"request_id={parent.request_id!r:.80} holds a NUL character; allowed: ids without one")
     params = parent.params
     if params.num_samples > 1:
         parent.group = SampleGroup(params=params, members=[parent])
@@ -52,3 +59,56 @@ def returned(group: SampleGroup) -> list[Request]:
     if not group.params.ranks_samples or not group.done:
         return list(members)
     return sorted(members, key=lambda m: m.cumulative_logprob, reverse=True)[: group.params.n]
+
+
+def fork_samples(engine, requests: list[Request], logits: torch.Tensor) -> tuple[list[Request], torch.Tensor]:
+    """A step's sampling rows (requests, their logits) once the parents among them whose prefill
+    just ended forked their other samples: these follow their parent and sample their first
+    token from a copy of its logits row. `engine`: the LLMEngine whose step this is."""
+    if not any(r.group is not None and r.group.unforked and not r.finished for r in requests):
+        return requests, logits
+    expanded, rows = [], []
+    for row, request in enumerate(requests):
+        expanded.append(request)
+        rows.append(row)
+        if request.group is not None and request.group.unforked and not request.finished:
+            children = _fork(engine, request)
+            expanded.extend(children)
+            rows.extend([row] * len(children))
+    return expanded, logits.index_select(0, torch.tensor(rows, device=logits.device))
+
+
+def _fork(engine, parent: Request) -> list[Request]:
+    # The prompt's blocks are complete: offer them to the prefix cache before the children copy
+    # the parent's bookkeeping, so nobody offers them twice.
+    engine.cache.mark_computed(parent.request_id, parent.num_computed_tokens)
+    children = fork_members(parent)
+    for child in children:
+        engine.cache.fork(parent.request_id, child.request_id)
+        if parent.grammar is not None:  # its own matcher, at the start as the parent's is
+            child.grammar = RequestGrammar(parent.grammar_ready.result())
+        engine.track(child)  # its detokenizer and generator
+        engine.scheduler.adopt(child)
+    return children
+
+
+def request_output(request: Request, text: Callable[[Request], str]) -> RequestOutput:
+    """A request's output so far (text(sequence): its detokenized text): one completion per sample
+    returned, indexed by sample, or once a ranked (best_of) request is done, by rank."""
+    group = request.group
+    members = [request] if group is None else returned(group)
+    ranked = group is not None and group.params.ranks_samples and group.done
+    wants_logprobs = (request.params if group is None else group.params).logprobs is not None
+    completions = [CompletionOutput(index=rank if ranked else member.index, text=text(member),
+                                    token_ids=list(member.known_output_token_ids),
+                                    finish_reason=member.finish_reason, stop_reason=member.stop_reason,
+                                    logprobs=member.logprobs if wants_logprobs else None,
+                                    # computed when logprobs were (best_of asks for them to rank)
+                                    cumulative_logprob=(member.cumulative_logprob
+                                                        if member.params.logprobs is not None else None))
+                   for rank, member in enumerate(members)]
+    return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                         prompt_token_ids=request.prompt_token_ids, outputs=completions,
+                         finished=request.done, metrics=request.metrics,
+                         error=next((m.error for m in members if m.error is not None), None),
+                         prompt_logprobs=request.prompt_logprobs)
