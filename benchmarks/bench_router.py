@@ -257,7 +257,8 @@ def main() -> int:
                      max_model_len=4224)
         shape = ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=4, system_words=700, user_words=100,
                           max_tokens=128, session_gap_s=0.1, think_s=0.5)
-        engine = dict(device="cuda", max_num_seqs=64, num_gpus=1 / args.replicas_per_gpu)
+        # compile_model off: it speeds every router's engines alike and would add a compile to each app's start.
+        engine = dict(device="cuda", max_num_seqs=64, num_gpus=1 / args.replicas_per_gpu, compile_model=False)
         gaps = args.gaps or [shape.session_gap_s if chat else 1.0]
     assert sizes["long_len"] + sizes["max_tokens"] <= sizes["max_model_len"]
     assert shape.context_tokens <= sizes["max_model_len"]

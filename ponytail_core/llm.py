@@ -43,8 +43,10 @@ class LLM:
     async_scheduling: launch each step before the previous one's tokens are read back, so the
     device never waits for the host (same outputs); None: on for CUDA devices, off on the CPU.
     compile_model: torch.compile the decoder layers (inductor fuses the norms, rotary and SiLU
-    between the GEMMs); None: on for CUDA devices where the model has a `layers` list. Inductor
-    caches its kernels on disk (TORCHINDUCTOR_CACHE_DIR), so later starts skip most of the compile.
+    between the GEMMs); None: on for CUDA devices when LLM loads the model itself (a name or path)
+    and it has a `layers` list; a model object handed over stays eager unless True (compiling
+    changes its layers in place). Inductor caches its kernels on disk (TORCHINDUCTOR_CACHE_DIR),
+    so later starts skip most of the compile.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -53,7 +55,8 @@ class LLM:
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None):
-        if model is None or isinstance(model, str):
+        loaded_here = model is None or isinstance(model, str)
+        if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
         device = next(model.parameters()).device
@@ -70,8 +73,8 @@ class LLM:
             cuda_graphs = device.type == "cuda"
         elif cuda_graphs and device.type != "cuda":
             raise ConfigError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
-        if compile_model is None:
-            compile_model = device.type == "cuda" and can_compile(model)
+        if compile_model is None:  # a model object stays as handed over: compiling changes it in place
+            compile_model = device.type == "cuda" and loaded_here and can_compile(model)
         elif not isinstance(compile_model, bool):
             raise ConfigError(f"compile_model={compile_model!r} must be True, False or None "
                               "(None: on for CUDA devices where the model supports it)")
