@@ -123,7 +123,8 @@ def _wants_gpu(device: str) -> bool:
 def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
     """EngineReplica's constructor arguments from the app's args."""
     arguments = {**{name: getattr(settings, name) for name in AppArgs.ENGINE_FIELDS},
-                 "model_id": settings.served_name(), "device": "cuda" if gpu else "cpu"}
+                 "model_id": settings.served_model_name, "model_alias": settings.served_name(),
+                 "device": "cuda" if gpu else "cpu"}  # unnamed: served as where its tokenizer loads from
     if not gpu:
         arguments["gpu_memory_utilization"] = None  # a CPU replica has no GPU to take a share of
     return arguments

@@ -91,7 +91,7 @@ class AppArgs(BaseModel):
     max_prompt_tokens: int | None = Field(None, description="longest prompt in tokens; unset: the context "
                                           "(max_model_len)")
     max_output_tokens: int | None = Field(None, description="the largest max_tokens; unset: the context")
-    max_n: int = Field(1, description="the largest n (choices per request)")
+    max_n: int = Field(16, description="the largest n and best_of (samples per prompt)")
     max_stop: int = Field(16, description="stop strings per request")
     max_stop_chars: int = Field(256, description="characters per stop string")
 

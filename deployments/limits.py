@@ -27,7 +27,7 @@ class RequestLimits:
     max_body_bytes: int = 4 << 20  # 413 beyond; a 128k-token prompt is ~0.5 MB of text
     max_prompt_tokens: int | None = None  # None: the context (max_model_len)
     max_output_tokens: int | None = None  # max_tokens a request may ask; None: the context
-    max_n: int = 1  # choices per request (the engine generates one)
+    max_n: int = 16  # samples per prompt: n and best_of (each takes a running sequence slot)
     max_stop: int = 16  # stop strings per request (OpenAI allows 4)
     max_stop_chars: int = 256  # characters per stop string
 
@@ -39,9 +39,11 @@ class RequestLimits:
 
     def check(self, request: Any, max_model_len: int, max_tokens_field: str = "max_tokens") -> None:
         """Raise LimitExceeded for the first limit a parsed OpenAI request breaks."""
-        if request.n is not None and request.n > self.max_n:
-            raise LimitExceeded(f"n={request.n} is more than this server allows: at most {self.max_n} "
-                                "(max_n)", "n")
+        for name in ("n", "best_of"):
+            value = getattr(request, name, None)
+            if value is not None and value > self.max_n:
+                raise LimitExceeded(f"{name}={value} is more than this server allows: at most {self.max_n} "
+                                    "(max_n)", name)
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stop) > self.max_stop:
             raise LimitExceeded(f"stop has {len(stop)} strings; allowed: at most {self.max_stop} (max_stop)", "stop")

@@ -170,7 +170,8 @@ def _validation_error(exc: ValidationError) -> APIError:
 
 def _model_not_found(model: str, info: ModelInfo) -> APIError:
     shown = repr(model) if len(model) <= 100 else f"{model[:100]!r}... ({len(model)} characters)"
-    return APIError(404, f"the model {shown} does not exist; this server serves {info.model_id!r}",
+    names = " or ".join(repr(name) for name in [info.model_id, *info.aliases])
+    return APIError(404, f"the model {shown} does not exist; this server serves {names}",
                     param="model", code="model_not_found")
 
 
@@ -353,7 +354,8 @@ class _OpenAIServer:
 
     def metrics(self, info: ModelInfo) -> ApiMetrics:
         if self._metrics is None:
-            self._metrics = ApiMetrics(info.model_id)
+            # Labelled with the short name when the served one is a path: stable across machines.
+            self._metrics = ApiMetrics(info.aliases[0] if info.aliases else info.model_id)
         return self._metrics
 
     async def metrics_text(self) -> Response:
@@ -373,11 +375,13 @@ class _OpenAIServer:
             info = await self.model_info()
         except Exception as exc:
             return _api_error(exc).response()
-        model = Model(id=info.model_id, created=self.created, max_model_len=info.max_model_len, root=info.root)
+        models = [Model(id=name, created=self.created, max_model_len=info.max_model_len, root=info.root)
+                  for name in [info.model_id, *info.aliases]]  # the served name first: clients take data[0]
         if model_id is None:
-            return Response(ModelList(data=[model]).model_dump_json(), media_type="application/json")
-        if model_id != info.model_id:
+            return Response(ModelList(data=models).model_dump_json(), media_type="application/json")
+        if not info.serves(model_id):
             return _model_not_found(model_id, info).response()
+        model = next(m for m in models if m.id == model_id)
         return Response(model.model_dump_json(), media_type="application/json")
 
     async def generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest]) -> Response:
@@ -389,7 +393,7 @@ class _OpenAIServer:
                 raise _validation_error(exc) from None
             field_name = getattr(req, "field_name", None)
             info = await self.model_info()
-            if req.model is not None and req.model != info.model_id:
+            if req.model is not None and not info.serves(req.model):
                 raise _model_not_found(req.model, info)
             self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
@@ -399,19 +403,20 @@ class _OpenAIServer:
             for generate in generates:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
-                request_id, info.model_id, system_fingerprint(info))
+                request_id, req.model or info.model_id, system_fingerprint(info))  # the name it asked for
             if plan is not None:
                 fmt = ToolCallFormat(fmt, plan)
             headers = {"X-Request-Id": base_id} if self.request_id_header else {}
             generations = [_Generation(self.backend, generate) for generate in generates]
+            per_prompt = req.n or 1  # choices of prompt g are g * per_prompt + their index
             metrics, started = self.metrics(info), time.monotonic()
             streaming = False  # once True, the event stream owns the generations and closes them
             try:  # wait for the first deltas: errors raised there still get a status code
                 firsts = await _unless_disconnected(request, asyncio.gather(
                     *(_first(generation, metrics, started) for generation in generations)))
                 if req.stream:
-                    events = self._events(generations, firsts, fmt, req.include_usage, field_name,
-                                          lambda last: _record(metrics, last, started))
+                    events = self._events(generations, firsts, fmt, req.include_usage, field_name, per_prompt,
+                                          lambda lasts: _record(metrics, lasts, started))
                     streaming = True
                     return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                          **headers})
@@ -420,12 +425,12 @@ class _OpenAIServer:
             finally:
                 if not streaming:
                     await _close_all(generations)
-            for *_, last in results:
-                _record(metrics, last, started)
-            choices = [fmt.choice(index, text, last.finish_reason, items)
-                       for index, (text, items, last) in enumerate(results)]
-            usage = Usage.of(sum(last.prompt_tokens for *_, last in results),
-                             sum(last.completion_tokens for *_, last in results))
+            for collected in results:
+                _record(metrics, [last for *_, last in collected], started)
+            choices = [fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items)
+                       for g, collected in enumerate(results) for text, items, last in collected]
+            usage = Usage.of(sum(collected[0][2].prompt_tokens for collected in results),  # once per prompt
+                             sum(last.completion_tokens for collected in results for *_, last in collected))
             body = fmt.full(choices, usage).model_dump_json()
             return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
@@ -443,7 +448,7 @@ class _OpenAIServer:
             except ValidationError as exc:
                 raise _validation_error(exc) from None
             info = await self.model_info()
-            if req.model is not None and req.model != info.model_id:
+            if req.model is not None and not info.serves(req.model):
                 raise _model_not_found(req.model, info)
             if detokenize:
                 body = DetokenizeResponse(prompt=await self.backend.detokenize(req.tokens))
@@ -459,38 +464,48 @@ class _OpenAIServer:
 
     @staticmethod
     async def _collect(generation: _Generation, delta: GenerateDelta
-                       ) -> tuple[str, list[TokenLogprob] | None, GenerateDelta]:
-        text, items = _piece(delta)
-        pieces = [text]
-        while not delta.finished:
+                       ) -> list[tuple[str, list[TokenLogprob] | None, GenerateDelta]]:
+        """(text, token logprobs, last delta) of each choice of one backend stream, by index."""
+        pieces: dict[int, list[str]] = {}
+        items: dict[int, list[TokenLogprob] | None] = {}
+        lasts: dict[int, GenerateDelta] = {}
+        while True:
+            text, logprobs = _piece(delta)  # a choice's first delta carries the echoed prompt
+            pieces.setdefault(delta.index, []).append(text)
+            if logprobs is not None:
+                items[delta.index] = (items.get(delta.index) or []) + logprobs
+            lasts[delta.index] = delta
+            if delta.finished:
+                break
             delta = _check(await generation.next())
-            pieces.append(delta.text)
-            if delta.logprobs is not None:
-                items = (items or []) + delta.logprobs
-        return "".join(pieces), items, delta
+        return [("".join(pieces[i]), items.get(i), lasts[i]) for i in sorted(pieces)]
 
     @staticmethod
     async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
-                      include_usage: bool, field_name, on_finished) -> AsyncIterator[str]:
+                      include_usage: bool, field_name, per_prompt: int, on_finished) -> AsyncIterator[str]:
+        """Server-sent events; the choices of prompt g (n > 1) are g * per_prompt + their index."""
         error = None
         try:
-            for index in range(len(generations)):
+            for index in range(len(generations) * per_prompt):
                 for chunk in fmt.start(index):
                     yield _sse(chunk)
-            lasts: dict[int, GenerateDelta] = {}
-            async for index, delta in _merged(generations, firsts):
+            lasts: dict[int, GenerateDelta] = {}  # per choice: the delta that finished it
+            prompts: dict[int, int] = {}  # per prompt: its tokens (counted once, whatever n)
+            async for g, delta in _merged(generations, firsts):
+                index = g * per_prompt + delta.index
                 text, items = _piece(delta)
                 if text or items:
                     for chunk in _listed(fmt.text(index, text, items)):
                         yield _sse(chunk)
-                if delta.finished:
+                if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
-                    on_finished(delta)
                     for chunk in _listed(fmt.finish(index, delta.finish_reason)):
                         yield _sse(chunk)
+                if delta.finished:
+                    prompts[g] = delta.prompt_tokens
+                    on_finished([d for i, d in lasts.items() if i // per_prompt == g] or [delta])
             if include_usage:
-                yield _sse(fmt.usage(Usage.of(sum(d.prompt_tokens for d in lasts.values()),
-                                              sum(d.completion_tokens for d in lasts.values()))))
+                yield _sse(fmt.usage(Usage.of(sum(prompts.values()), sum(d.completion_tokens for d in lasts.values()))))
         except Exception as exc:
             error = _api_error(exc, generations[0].request_id, field_name)
         finally:  # also on cancellation or close(): aborts the requests unless they finished
@@ -513,8 +528,10 @@ async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -
     return delta
 
 
-def _record(metrics: ApiMetrics, last: GenerateDelta, started: float) -> None:
-    metrics.finished(last.prompt_tokens, last.completion_tokens, last.finish_reason, time.monotonic() - started)
+def _record(metrics: ApiMetrics, lasts: list[GenerateDelta], started: float) -> None:
+    """One request (one prompt) finished; `lasts`: its choices' last deltas."""
+    metrics.finished(lasts[0].prompt_tokens, sum(last.completion_tokens for last in lasts), lasts[0].finish_reason,
+                     time.monotonic() - started)
 
 
 async def _merged(generations: list[_Generation], firsts: list[GenerateDelta]

@@ -33,7 +33,7 @@ CHAT_DEFAULT_MAX_TOKENS = 256  # see the module docstring
 
 # Request fields passed to ponytail.SamplingParams under the same name: OpenAI's, then vLLM's extras.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
-                   "stop", "n", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+                   "stop", "n", "best_of", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
                    "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
@@ -90,9 +90,12 @@ class _SamplingRequest(_Request):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     seed: int | None = None
     stop: Stop = None
-    n: int | None = None  # only 1 (SamplingParams says so)
+    n: int | None = None  # choices per prompt: samples of one prefill (the engine forks the prompt's KV)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # Sample best_of, return the n of highest cumulative logprob (OpenAI's completions field; vLLM
+    # takes it on chat too). Not with stream=true: which choices win is known only at the end.
+    best_of: int | None = None
     # vLLM's extras, same names and meanings
     top_k: int | None = None
     min_p: float | None = None
@@ -111,6 +114,14 @@ class _SamplingRequest(_Request):
             raise PydanticCustomError("not_supported", "stream_options is only allowed with stream=true")
         return value
 
+    @field_validator("best_of")
+    @classmethod
+    def _not_streamed(cls, value, info: ValidationInfo):
+        if value is not None and value > 1 and info.data.get("stream", False):
+            raise PydanticCustomError("not_supported", "best_of > 1 is not allowed with stream=true (the best "
+                                      "choices are known only once all are done)")
+        return value
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -120,7 +131,6 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     logprobs: int | None = None  # logprobs of each token and of this many most likely ones (0-20)
     echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
-    best_of: Annotated[Unsupported, _unsupported(lambda v: v == 1, "best_of > 1")] = None
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
 
 

@@ -42,27 +42,35 @@ class TokenLogprob:
 
 @dataclass(slots=True)
 class GenerateDelta:
+    """What one choice of a request produced since its previous delta. A request with n > 1 streams
+    its choices' deltas interleaved, each with its `index`; `finished` marks the request's last."""
+
     request_id: str
-    text: str  # new text since the previous delta
+    text: str  # new text of choice `index` since its previous delta
     token_ids: list[int]  # new token ids since the previous delta
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort", "error" once finished
+    finished: bool  # the whole request is over: its last delta
+    finish_reason: str | None  # "stop", "length", "abort", "error" once choice `index` finished
     prompt_tokens: int
-    completion_tokens: int  # so far
+    completion_tokens: int  # of choice `index`, so far
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
-    prompt_text: str | None = None  # echo: the prompt as text, in the first delta only
-    prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: first delta only
+    prompt_text: str | None = None  # echo: the prompt as text, in each choice's first delta only
+    prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: each choice's first delta only
+    index: int = 0  # the choice (0 .. n - 1)
 
 
 @dataclass(slots=True)
 class ModelInfo:
-    model_id: str
+    model_id: str  # the served name: first in /v1/models (what clients that load a tokenizer by it read)
     max_model_len: int
     block_size: int
     device: str
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
     root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
+    aliases: list[str] = field(default_factory=list)  # other names requests may use (listed after model_id)
+
+    def serves(self, name: str) -> bool:
+        return name == self.model_id or name in self.aliases
 
 
 @dataclass(slots=True)

@@ -29,7 +29,12 @@ class EngineReplica:
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
                  model_id: str | None = None, compile_model: bool | None = None, stream_interval_s: float = 0.0,
-                 gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None):
+                 gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
+                 model_alias: str | None = None):
+        """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
+        path, as vLLM serves its --model), so clients that load a tokenizer by the served name
+        (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
+        short name, e.g. SmolLM2-135M-Instruct)."""
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                                 gpu_memory_utilization=gpu_memory_utilization)
@@ -38,10 +43,14 @@ class EngineReplica:
         self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s)
         self.tokenizer = self.llm.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)
-        self.info = ModelInfo(model_id=model_id or (os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID),
-                              max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
-                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device),
-                              root=str(model) if model else getattr(self.tokenizer, "name_or_path", None) or None)
+        root = tokenizer_source(self.tokenizer)
+        short = os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID
+        if model_id is None and model_alias is None:
+            model_alias = short
+        served = model_id or root or model_alias or short
+        self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
+                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device), root=root,
+                              aliases=[model_alias] if model_alias and model_alias != served else [])
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len
@@ -62,25 +71,49 @@ class EngineReplica:
             raise ponytail.ContextLengthError(
                 f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
                 f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
-        prompt_tokens = None
-        sent = 0  # output tokens whose logprobs went out
+        if params.ranks_samples:  # best_of: which samples are returned is known only at the end
+            async for delta in self.async_llm.generate(prompt, params, request.request_id):
+                if delta.finished:
+                    for out in self._final_deltas(delta, request, params):
+                        yield out
+            return
+        echoed: set[int] = set()  # choices whose first delta went out
+        sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out
         async for delta in self.async_llm.generate(prompt, params, request.request_id):
             output = delta.output
+            choice = output.outputs[delta.index]
             out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
-                                finished=delta.finished, finish_reason=output.finish_reason if delta.finished else None,
-                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(output.token_ids),
-                                error=output.error)
-            if prompt_tokens is None:
-                prompt_tokens = out.prompt_tokens
-                if request.echo:
-                    self._add_prompt(out, output, params)
-            if params.logprobs is not None and output.outputs[0].logprobs is not None:
-                entries = output.outputs[0].logprobs[sent : sent + len(delta.new_token_ids)]
+                                finished=delta.finished, finish_reason=choice.finish_reason,
+                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
+                                error=output.error, index=delta.index)
+            if request.echo and delta.index not in echoed:
+                echoed.add(delta.index)
+                self._add_prompt(out, output, params)
+            if params.logprobs is not None and choice.logprobs is not None:
+                done = sent.get(delta.index, 0)
+                entries = choice.logprobs[done : done + len(delta.new_token_ids)]
                 out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
-                sent += len(entries)
+                sent[delta.index] = done + len(entries)
             if delta.finished:
                 self.metrics.on_finished(output)
             yield out
+
+    def _final_deltas(self, delta, request: GenerateRequest, params: SamplingParams) -> list[GenerateDelta]:
+        """best_of: one whole delta per returned choice, the last one finishing the request."""
+        output = delta.output
+        self.metrics.on_finished(output)
+        outs = []
+        for i, choice in enumerate(output.outputs):
+            out = GenerateDelta(request_id=delta.request_id, text=choice.text, token_ids=list(choice.token_ids),
+                                finished=i == len(output.outputs) - 1, finish_reason=choice.finish_reason,
+                                prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
+                                error=output.error, index=i)
+            if request.echo:
+                self._add_prompt(out, output, params)
+            if params.logprobs is not None and choice.logprobs is not None:
+                out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, params.logprobs)
+            outs.append(out)
+        return outs
 
     def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
         """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
@@ -157,6 +190,18 @@ class EngineReplica:
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
                              step_seconds=self.async_llm.step_seconds)
+
+
+def tokenizer_source(tokenizer) -> str | None:
+    """What transformers' AutoTokenizer.from_pretrained loads this tokenizer from: a hub id, or a
+    local directory as an absolute path; None when there is none (no tokenizer, a .gguf file)."""
+    name = getattr(tokenizer, "name_or_path", None) or None
+    if name is None:
+        return None
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        return os.path.abspath(path)
+    return None if os.path.exists(path) else name
 
 
 def _max_token_bytes(tokenizer) -> int | None:

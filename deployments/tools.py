@@ -150,16 +150,19 @@ def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
 
 
 class ToolCallFormat:
-    """Chat responses whose answer is tool calls; same methods as openai_api's _ChatFormat (a chat
-    request has one choice, index 0), whose chunks (id, created, model, system_fingerprint) it
-    reuses. start(), text() and finish() return lists of chunks."""
+    """Chat responses whose answer is tool calls; same methods as openai_api's _ChatFormat, whose
+    chunks (id, created, model, system_fingerprint) it reuses; each choice (n > 1) has its own
+    output and call id. start(), text() and finish() return lists of chunks."""
 
     def __init__(self, chat_format, plan: ToolPlan):
         self.common = chat_format.common
         self.chat_format = chat_format
         self.plan = plan
-        self.pieces: list[str] = []  # the output so far
-        self.call_id = _call_id()
+        self.pieces: dict[int, list[str]] = {}  # per choice: its output so far
+        self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
+
+    def call_id(self, index: int) -> str:
+        return self.call_ids.setdefault(index, _call_id())
 
     def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None = None, items=None) -> BaseModel:
         return self.chat_format._delta(index, delta, finish_reason, items)
@@ -168,19 +171,19 @@ class ToolCallFormat:
         chunks = self.chat_format.start(index)
         if self.plan.name is not None:  # one call: its name now, its arguments as they come
             chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
-                index=0, id=self.call_id, type="function",
+                index=0, id=self.call_id(index), type="function",
                 function=FunctionCallDelta(name=self.plan.name, arguments=""))])))
         return chunks
 
     def text(self, index: int, text: str, items=None) -> list[BaseModel]:
-        self.pieces.append(text)
+        self.pieces.setdefault(index, []).append(text)
         if self.plan.name is None:  # a list of calls: sent once it is complete
             return []
         return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
             arguments=text))]), items=items)]
 
     def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
-        text = "".join(self.pieces)
+        text = "".join(self.pieces.get(index, []))
         calls = parse_calls(self.plan, text)
         if self.plan.name is not None:
             return [self._chunk(index, ChatDelta(), "tool_calls" if calls is not None else finish_reason)]
@@ -201,7 +204,7 @@ class ToolCallFormat:
         if calls is None:
             return choice
         if self.plan.name is not None:
-            calls[0].id = self.call_id
+            calls[0].id = self.call_id(index)
         return choice.model_copy(update={"message": ChatMessage(content=None, tool_calls=calls),
                                          "finish_reason": "tool_calls"})
 

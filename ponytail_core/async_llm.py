@@ -33,18 +33,20 @@ from .utils.units import is_seconds
 
 @dataclass(slots=True)
 class RequestDelta:
-    """What a request produced since the last delta; `output` is the cumulative view."""
+    """What one sample (`index`) of a request produced since the last delta; `output` is the
+    cumulative view of every sample. `finished`: the whole request is over (its last delta)."""
 
     request_id: str
     delta_text: str
     new_token_ids: list[int]
     finished: bool
     output: RequestOutput
+    index: int = 0  # the sample (n > 1): output.outputs[index] while the request runs
 
     def merged_with(self, later: RequestDelta) -> RequestDelta:
-        """This delta followed by a later one of the same request, as one."""
+        """This delta followed by a later one of the same request and sample, as one."""
         return RequestDelta(self.request_id, self.delta_text + later.delta_text,
-                            self.new_token_ids + later.new_token_ids, later.finished, later.output)
+                            self.new_token_ids + later.new_token_ids, later.finished, later.output, self.index)
 
 
 @dataclass(slots=True)
@@ -55,6 +57,7 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     ended: bool = False
+    held: RequestDelta | None = None  # taken from the queue while merging, another sample's: next out
 
     def put(self, item: RequestDelta | BaseException) -> None:
         self.queue.put_nowait(item)
@@ -113,13 +116,16 @@ class AsyncLLM:
                     raise error
                 if last_yield is not None and self.stream_interval_s:
                     await stream.wait_until(last_yield + self.stream_interval_s)
-                item = await queue.get()
+                item, stream.held = stream.held or await queue.get(), None
                 if isinstance(item, BaseException):
                     raise item
                 while not item.finished and not queue.empty():  # the consumer fell behind
                     later = queue.get_nowait()
                     if isinstance(later, BaseException):
                         error = later
+                        break
+                    if later.index != item.index:  # another sample's text: its own delta, next
+                        stream.held = later
                         break
                     item = item.merged_with(later)
                 finished = item.finished
@@ -196,11 +202,12 @@ class AsyncLLM:
         while self._forget:
             request_id = self._forget.popleft()
             request = engine.requests.get(request_id)
-            if request is not None and request.finished:
+            if request is not None and request.done:
                 engine.forget(request_id)
         for out in engine.step():
-            delivered.append(RequestDelta(out.request.request_id, out.delta_text, out.new_token_ids, out.finished,
-                                          engine.output(out.request)))
+            root = out.request.root  # its stream's request (n > 1: the parent of the samples)
+            delivered.append(RequestDelta(root.request_id, out.delta_text, out.new_token_ids, out.done,
+                                          engine.output(root), out.request.index))
         return delivered, failed
 
     async def _run(self) -> None:

@@ -163,7 +163,7 @@ class LLM:
             progress = tqdm(total=len(requests), desc="generate", unit="req")
         try:
             while engine.has_unfinished():
-                done = sum(o.finished for o in engine.step())
+                done = sum(o.done for o in engine.step())
                 if progress is not None and done:
                     progress.update(done)
         except BaseException:

@@ -84,7 +84,9 @@ def test_engine_arguments_reach_the_replica_constructor():
     assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
     assert args["stream_interval_s"] == 0.02
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
-    assert args["model_id"] == "SmolLM2-135M-Instruct"
+    assert args["model_id"] is None and args["model_alias"] == "SmolLM2-135M-Instruct"
+    named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)
+    assert named["model_id"] == named["model_alias"] == "mine"
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
 
 

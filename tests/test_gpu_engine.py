@@ -116,3 +116,27 @@ def test_async_scheduling_equals_sync_with_cuda_graphs(monkeypatch):
                              stop_token_ids=[tokens[rng.randrange(1, 4)]] if i % 2 else None)
               for i, (tokens, _) in enumerate(full)]
     assert run(params, None) == run(params, False)  # None: on, on a CUDA device
+
+
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_parallel_samples_share_the_prompt_on_gpu(monkeypatch, cuda_graphs):
+    """n > 1 with async scheduling: the forked samples read the prompt's shared blocks (a partial
+    last block copied on the device when each first writes), and take their inputs on the device."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 1000) for _ in range(length)] for length in (37, 48, 203)]
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=16, max_model_len=512,
+                       max_num_batched_tokens=512, cuda_graphs=cuda_graphs)
+    assert llm.engine.async_scheduling
+    greedy = llm.generate(prompts, SamplingParams(n=4, max_tokens=20, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, greedy):
+        expected = model.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=20, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        assert [o.token_ids for o in out.outputs] == [expected] * 4
+    seeded = SamplingParams(n=4, max_tokens=20, temperature=1.0, seed=9, ignore_eos=True)
+    first = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, seeded)]
+    again = [[o.token_ids for o in out.outputs] for out in llm.generate(prompts, seeded)]
+    assert first == again and all(len({tuple(t) for t in samples}) == 4 for samples in first)
+    assert llm.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
+    assert llm.engine.scheduler.promises.total == 0

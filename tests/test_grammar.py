@@ -119,3 +119,19 @@ def test_a_schema_that_cannot_compile_is_a_config_error(default_model):
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256)
     with pytest.raises(ConfigError, match="cannot be compiled"):
         llm.generate(["hi"], SamplingParams(structured_outputs={"json": {"type": "nonsense"}}))
+
+
+@pytest.mark.network
+def test_each_parallel_sample_has_its_own_grammar_matcher(default_model):
+    """n > 1 with structured outputs: every forked sample follows the schema from the same start."""
+    model, tokenizer = default_model
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="32MiB", max_num_seqs=8, max_model_len=512)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Describe a house as JSON."}],
+                                           add_generation_prompt=True, tokenize=False)
+    out = llm.generate(prompt, SamplingParams(n=3, max_tokens=60, temperature=1.0, seed=4,
+                                              structured_outputs=StructuredOutputsParams(json=SCHEMA)))[0]
+    assert len({o.text for o in out.outputs}) > 1  # the samples differ
+    for sample in out.outputs:
+        assert sample.finish_reason == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), SCHEMA)
+    assert llm.stats().used_blocks == 0

@@ -105,10 +105,10 @@ def test_tokenize_detokenize_version_and_the_models_root(served):
     status, error = call("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
     assert status == 400 and "exactly one of prompt" in error["error"]["message"]
     assert call("/version") == (200, {"version": ponytail.__version__})
-    model = client.models.list().data[0]
-    assert model.id == MODEL
-    # What clients such as guidellm do with it: load the tokenizer from there, and it is the engine's.
-    tokenizer = AutoTokenizer.from_pretrained(model.root)
+    model, alias = client.models.list().data
+    assert model.id == model.root and alias.id == MODEL  # served where its tokenizer loads from; the short name too
+    # What clients such as guidellm do with it: load the tokenizer by the first model's id, and it is the engine's.
+    tokenizer = AutoTokenizer.from_pretrained(model.id)
     assert tokenizer(PROMPTS[0])["input_ids"] == ids
 
 

@@ -48,8 +48,9 @@ def test_greedy():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(n=2), "n=2 is invalid; allowed: 1 (one sequence per request; send n requests instead)"),
-    (dict(n=True), "n=True is invalid; allowed: 1"),
+    (dict(n=129), "n=129 is invalid; allowed: an integer in [1, 128]"),
+    (dict(n=True), "n=True (bool) is invalid; allowed: an integer in [1, 128]"),
+    (dict(best_of=0), "best_of=0 is invalid; allowed: None or an integer in [n=1, 128]"),
     (dict(max_tokens=0), "max_tokens=0 is invalid; allowed: an integer >= 1"),
     (dict(max_tokens=8.0), "max_tokens=8.0 (float) is invalid; allowed: an integer >= 1"),
     (dict(max_tokens=None), "max_tokens=None (NoneType) is invalid; allowed: an integer >= 1"),

@@ -105,7 +105,7 @@ def test_ponytail_serve_answers_the_readme_example_and_stops_on_ctrl_c(default_m
         assert f"ponytail: serving '{MODEL}' at http://127.0.0.1:{port}/v1" in content
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120,
                                max_retries=0)
-        assert [m.id for m in client.models.list().data] == [MODEL]
+        assert [m.id for m in client.models.list().data][1:] == [MODEL]  # first: where the tokenizer loads from
         chat = client.chat.completions.create(model=MODEL, temperature=0, messages=README_QUESTION)
         assert chat.choices[0].message.content == "The capital of France is Paris."  # as README says
 

@@ -29,11 +29,12 @@ from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
-from .request import PLACEHOLDER_TOKEN, CompletionOutput, Request, RequestOutput
+from .request import PLACEHOLDER_TOKEN, Request, RequestOutput
 from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
+from .samples import fork_samples, request_output, start_group
 from .scheduler import Scheduler
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
@@ -47,10 +48,11 @@ _IGNORED_ROW = SamplingParams(temperature=0)  # the row of a request that ended 
 class StepOutput:
     """What one step did to one request: the text and tokens it added."""
 
-    request: Request
+    request: Request  # with several samples (n > 1, best_of), the one that produced this
     new_token_ids: list[int]
     delta_text: str
-    finished: bool
+    finished: bool  # this sequence finished; done: the whole request (every sample), on its last output
+    done: bool = False
 
 
 @dataclass(slots=True)
@@ -136,6 +138,7 @@ class LLMEngine:
         token_ids = self._prompt_token_ids(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
+        start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it
         self.scheduler.check_fits(request)  # refuses what can never fit
         if params.structured_outputs is not None:
             if self.grammars is None:
@@ -153,9 +156,11 @@ class LLMEngine:
             request.grammar = RequestGrammar(request.grammar_ready.result())  # ConfigError if it failed
         self.scheduler.add(request)
         self.requests[request.request_id] = request
-        self._detokenizers[request.request_id] = (
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, request.params)
-            if self.tokenizer is not None else NoTextDetokenizer())
+        self.track(request)
+
+    def track(self, request: Request) -> None:  # a sequence's detokenizer and generator
+        self._detokenizers[request.request_id] = (IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, request.params) if self.tokenizer is not None else NoTextDetokenizer())
         self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
     def _prompt_token_ids(self, prompt) -> list[int]:
@@ -174,13 +179,14 @@ class LLMEngine:
         return list(prompt)
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request now; its blocks go back to the pool. False if it is unknown or done."""
+        """Stop a request now (every sample); its blocks go back to the pool. False if unknown or done."""
         request = self.requests.get(request_id)
-        if request is None or request.finished:
+        if request is None or request.done:
             return False
-        request.finish("abort")
-        request.drop_placeholder()  # a step in flight still samples for it: that row is ignored
-        self._release(request)
+        for member in [m for m in request.members if not m.finished]:
+            member.finish("abort")
+            member.drop_placeholder()  # a step in flight still samples for it: that row is ignored
+            self._release(member)
         return True
 
     def has_unfinished(self) -> bool:
@@ -270,6 +276,7 @@ class LLMEngine:
         requests = [chunk.request for chunk in chunks if chunk.samples]
         if not requests:
             return _Launched(chunks, [], [], None, None, penalized=False)
+        requests, logits = fork_samples(self, requests, logits)  # n > 1: prefills that just ended fork
         live = [not r.finished for r in requests]  # a finished row samples greedily, for nobody
         grammars = [r.grammar if ok else None for r, ok in zip(requests, live)]
         batch = SamplingBatch.build([r.params if ok else _IGNORED_ROW for r, ok in zip(requests, live)],
@@ -313,16 +320,17 @@ class LLMEngine:
             out = request.output_token_ids
             if bad[row]:
                 self._fail(request, index, "the model produced NaN or inf logits; the request was stopped")
-                outputs.append(StepOutput(request, [], "", True))
+                outputs.append(StepOutput(request, [], "", True, request.done))
                 continue
             out[index] = token
             if len(out) == index + 1:  # not in the step launched since: every token is known
                 request.pending_row = None
             if request.grammar is not None and not request.grammar.accept(token):
                 self._fail(request, index, f"token {token} does not match the request's structured_outputs")
-                outputs.append(StepOutput(request, [], "", True))
+                outputs.append(StepOutput(request, [], "", True, request.done))
                 continue
             if chosen_logprobs is not None and request.params.logprobs is not None:
+                request.cumulative_logprob += chosen_logprobs[row]
                 request.logprobs = request.logprobs or []
                 request.logprobs.append(logprob_entry(host, row, token, chosen_logprobs[row],
                                                       request.params.logprobs))
@@ -344,7 +352,7 @@ class LLMEngine:
                 position = len(request.prompt_token_ids) + index
                 if position < self.cache.seq_len(request.request_id):  # the next step reserved its slot
                     self.cache.replace_token(request.request_id, position, token)
-            outputs.append(StepOutput(request, [token], delta, request.finished))
+            outputs.append(StepOutput(request, [token], delta, request.finished, request.done))
         return outputs
 
     def _fail(self, request: Request, index: int, error: str) -> None:
@@ -362,19 +370,14 @@ class LLMEngine:
 
     # ------------------------------------------------------------- results
     def output(self, request: Request) -> RequestOutput:
-        detok = self._detokenizers[request.request_id]
-        completion = CompletionOutput(index=0, text=detok.text, token_ids=list(request.known_output_token_ids),
-                                      finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-                                      logprobs=request.logprobs)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, metrics=request.metrics, error=request.error,
-                             prompt_logprobs=request.prompt_logprobs)
+        """A request's output so far: one completion per sample (see samples.returned for best_of)."""
+        return request_output(request, lambda member: self._detokenizers[member.request_id].text)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""
-        self.requests.pop(request_id, None)
-        self._detokenizers.pop(request_id, None)
+        request = self.requests.pop(request_id, None)
+        for member in (request.members if request is not None else []):
+            self._detokenizers.pop(member.request_id, None)
 
     def stats(self) -> EngineStats:
         """Plain counters: any thread may call it without waiting for a step (the numbers are

@@ -62,6 +62,31 @@ class Request:
     grammar_ready: Future | None = None
     grammar: RequestGrammar | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+    # n > 1 / best_of: which sample of its request this sequence is, and the group they share
+    # (None for a request of one sample).
+    index: int = 0
+    group: SampleGroup | None = None
+    cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs (when they are computed)
+
+    @property
+    def done(self) -> bool:
+        """The whole request is over: this sequence and, with several samples, every one of them."""
+        return self.finished if self.group is None else self.group.done
+
+    @property
+    def members(self) -> list[Request]:
+        """Every sequence of its request: its group's samples, or itself alone."""
+        return [self] if self.group is None else self.group.members
+
+    @property
+    def root(self) -> Request:
+        """The request this sequence is a sample of (itself, or its parent)."""
+        return self if self.group is None else self.group.members[0]
+
+    @property
+    def seqs_to_come(self) -> int:
+        """Running slots it takes once admitted: itself and the samples it will still fork."""
+        return 1 if self.group is None else 1 + self.group.unforked
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -134,6 +159,33 @@ class Request:
         self.metrics.finished_time = time.monotonic()
 
 
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The sequences of one request with n > 1 or best_of (vLLM's parallel sampling). The first,
+    the parent, is queued and prefilled alone; when its prefill ends, the engine forks the others
+    from it: they share the prompt's KV blocks (copy-on-write) and sample their first token from
+    the same logits, each with its own generator."""
+
+    params: SamplingParams  # as the caller gave them (n, best_of)
+    members: list[Request]  # by sample index; [parent] until the fork
+
+    @property
+    def size(self) -> int:
+        return self.params.num_samples
+
+    @property
+    def unforked(self) -> int:
+        return self.size - len(self.members)
+
+    @property
+    def done(self) -> bool:
+        """Every sample finished; or the parent did before the fork (aborted or failed), so no
+        other sample will ever run."""
+        if self.unforked:
+            return self.members[0].finished
+        return all(m.finished for m in self.members)
+
+
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
@@ -142,6 +194,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None  # sum of its tokens' logprobs, when they were computed
 
 
 @dataclass(slots=True)

@@ -6,7 +6,9 @@ a running request its next slot, the newest running request is preempted (its bl
 and it is recomputed later; its full blocks stay in the prefix cache, so recompute is often
 cheap). Waiting requests are then admitted in arrival order (FCFS: nobody jumps the queue, so
 nobody starves) while their whole prompt fits with a watermark of free blocks to spare. A request
-that could never fit is refused when it is added, so the queue cannot deadlock.
+that could never fit is refused when it is added, so the queue cannot deadlock. A request with
+several samples (n > 1, best_of) is admitted alone but takes running slots for all of them; the
+engine forks the others when its prefill ends and hands them over with `adopt`.
 """
 
 from __future__ import annotations
@@ -57,11 +59,25 @@ class Scheduler:
         if cdiv(need, bs) > capacity:
             raise ConfigError(f"prompt + max_tokens = {need} tokens needs {cdiv(need, bs)} KV blocks, but the whole "
                               f"cache holds {capacity}; raise kv_cache_memory or lower max_tokens")
+        samples = request.seqs_to_come  # they need not fit together: a sample preempted is recomputed
+        if samples > 1:
+            name = "best_of" if request.group.params.ranks_samples else "n"
+            if samples > self.max_num_seqs:
+                raise ConfigError(f"{name}={samples} is more sequences than this engine runs at once; allowed: at "
+                                  f"most max_num_seqs={self.max_num_seqs}")
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
         self.waiting.append(request)
         self.promises.queued(request)
+
+    def adopt(self, request: Request) -> None:
+        """A sample the engine forked from a running parent (its blocks are in the cache already)
+        runs from now on; the parent's admission kept its slot."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.promises.queued(request)
+        self.promises.started(request)
 
     def remove(self, request: Request) -> None:
         """Drop a finished or aborted request and give its blocks back."""
@@ -118,8 +134,11 @@ class Scheduler:
         return bool(self.cache.append(request.request_id, request.token_slice(held)))
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        seats = sum(r.seqs_to_come for r in self.running)  # a parent holds its unforked samples' slots
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if seats + request.seqs_to_come > self.max_num_seqs:
+                break
             tokens = request.all_token_ids
             # The last token is always computed: its logits give the next token. Prompt logprobs
             # need the logits of every prompt position not yet scored: those are computed too.
@@ -138,6 +157,7 @@ class Scheduler:
             if request.metrics.num_preemptions == 0:
                 request.metrics.num_cached_prompt_tokens = result.num_cached_tokens
             self.running.append(request)
+            seats += request.seqs_to_come
             self.promises.started(request)
             n = min(len(tokens) - request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))

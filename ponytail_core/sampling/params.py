@@ -2,11 +2,13 @@
 
 A user who knows `vllm.SamplingParams` can pass the same keyword arguments here. Every value is
 checked in __post_init__; a bad one raises `ponytail.ConfigError` naming the parameter, the value
-given and what is allowed. Only one sequence per request is sampled (n=1).
+given and what is allowed. With n > 1 (or best_of) the engine prefills the prompt once and forks
+it into that many sequences (`member`'s params each), which share the prompt's KV blocks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -19,6 +21,8 @@ from .structured import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5
 # The most top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most sequences one request may sample (n, best_of): each takes a running slot.
+MAX_SAMPLES = 128
 # The seeds torch.Generator.manual_seed accepts.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 
@@ -73,7 +77,8 @@ class SamplingParams:
     or temperature, min_p, top_k, top_p and a random draw.
     """
 
-    n: int = 1  # sequences per request; only 1 is supported
+    n: int = 1  # sequences returned per request
+    best_of: int | None = None  # sequences sampled; the n of highest cumulative logprob are returned (None: n)
     max_tokens: int = 16  # the most tokens to generate
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens exist
     temperature: float = 1.0  # logits are divided by it; 0 (anything < 1e-5) means greedy
@@ -95,8 +100,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
 
     def __post_init__(self) -> None:
-        if isinstance(self.n, bool) or not isinstance(self.n, Integral) or self.n != 1:
-            raise _invalid("n", self.n, "1 (one sequence per request; send n requests instead)")
+        self.n = _int("n", self.n, f"an integer in [1, {MAX_SAMPLES}]", 1, MAX_SAMPLES)
+        if self.best_of is not None:
+            self.best_of = _int("best_of", self.best_of, f"None or an integer in [n={self.n}, {MAX_SAMPLES}]",
+                                self.n, MAX_SAMPLES)
         self.max_tokens = _int("max_tokens", self.max_tokens, "an integer >= 1", 1)
         self.min_tokens = _int("min_tokens", self.min_tokens, "an integer >= 0", 0)
         if self.min_tokens > self.max_tokens:
@@ -116,8 +123,11 @@ class SamplingParams:
                            lambda v: -2 <= v <= 2)
             setattr(self, name, value)
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, "None or an integer in [-2**63, 2**64 - 1]",
-                             _SEED_MIN, _SEED_MAX)
+            # Sample i of the request is seeded with seed + i: distinct, and reproducible.
+            k = self.num_samples
+            allowed = ("None or an integer in [-2**63, 2**64 - 1]" if k == 1 else
+                       f"None or an integer in [-2**63, 2**64 - {k}] (sample i is seeded with seed + i)")
+            self.seed = _int("seed", self.seed, allowed, _SEED_MIN, _SEED_MAX - (k - 1))
         self.stop = self._check_stop(self.stop)
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
@@ -177,6 +187,27 @@ class SamplingParams:
             if isinstance(item, bool) or not isinstance(item, Integral) or item < 0:
                 raise _invalid("stop_token_ids", ids, allowed)
         return [int(item) for item in ids]
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the engine samples for the request: best_of, else n."""
+        return self.n if self.best_of is None else self.best_of
+
+    @property
+    def ranks_samples(self) -> bool:
+        """More sequences are sampled than returned: the n of highest cumulative logprob are kept."""
+        return self.num_samples > self.n
+
+    def member(self, index: int) -> SamplingParams:
+        """The params of sample `index` of a request with several: one sequence, seeded seed + index.
+        Only sample 0 keeps prompt_logprobs (the prompt is scored once); when samples are ranked,
+        every one records its tokens' logprobs (logprobs=0 at least), which the ranking sums."""
+        logprobs = self.logprobs
+        if self.ranks_samples and logprobs is None:
+            logprobs = 0
+        return dataclasses.replace(self, n=1, best_of=None, logprobs=logprobs,
+                                   seed=None if self.seed is None else self.seed + index,
+                                   prompt_logprobs=self.prompt_logprobs if index == 0 else None)
 
     @property
     def greedy(self) -> bool:
