@@ -39,7 +39,8 @@ def test_bench_serve_compares_two_servers_on_the_same_requests(tmp_path):
     expected = sum(n for _, n in requests_for(4, 0, 7680, 32))
     for r in runs:  # ignore_eos and min_tokens accepted: every stream has exactly max_tokens tokens
         assert r["errors"] == 0 and r["short_outputs"] == 0 and r["output_tokens"] == expected
-        assert r["model"] == "SmolLM2-135M-Instruct" and r["output_tokens_per_s"] > 0
+        # the first id /v1/models lists: where the tokenizer loads from (the short name is its alias)
+        assert r["model"].lower().endswith("smollm2-135m-instruct") and r["output_tokens_per_s"] > 0
         assert 0 < r["ttft_p50"] <= r["ttft_p90"] <= r["ttft_p99"] and 0 <= r["itl_p50"] <= r["itl_p99"]
     assert "concurrency 2: A/B output tokens/s" in result.stdout and "concurrency 4: A/B" in result.stdout
 
