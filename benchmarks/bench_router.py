@@ -298,9 +298,9 @@ def main() -> int:
     warmup = [prompt_ids(tokenizer, n, random.Random(1000 + i))
               for i, n in enumerate([sizes["long_len"], sizes["short_len"]] * 2)]
 
-    port = free_port()
     # Logical CPUs: two engine replicas, the ingress and the proxy must fit even on a 2-core machine.
     ray.init(num_cpus=max(os.cpu_count() or 1, 8), include_dashboard=False, log_to_driver=False)
+    port = free_port()  # after Ray's own processes took their ports (one of them took a port picked before)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     runs: dict[str, list[dict]] = {}
     try:

@@ -48,7 +48,7 @@ BAD_INPUTS = [
     ("null content", "/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, None, 400),
     ("temperature", "/v1/chat/completions", {"messages": CHAT, "temperature": 1e30}, None, 400),
     ("stop count", "/v1/completions", {"prompt": "hi", "stop": ["x"] * 1000}, None, 400),
-    ("n", "/v1/completions", {"prompt": "hi", "n": 8}, None, 400),
+    ("n", "/v1/completions", {"prompt": "hi", "n": 17}, None, 400),  # beyond max_n (16)
     ("max_tokens", "/v1/completions", {"prompt": "hi", "max_tokens": 10**9}, None, 400),
     ("token ids", "/v1/completions", {"prompt": [10**12]}, None, 400),
     ("model", "/v1/completions", {"prompt": "hi", "model": "x" * 100_000}, None, 404),
@@ -216,10 +216,10 @@ def started_app(args_json: str):
 
     from deployments.app import build
 
-    with socket.socket() as s:
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    with socket.socket() as s:  # after Ray's own processes took their ports
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app_args = {"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,

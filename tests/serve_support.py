@@ -22,8 +22,8 @@ def free_port() -> int:
 @contextmanager
 def running_app(**args):
     """Ray + Serve + the ponytail app on CPU engines; yields (openai client, port)."""
-    port = free_port()
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
+    port = free_port()  # after Ray's own processes took their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build({"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,
