@@ -29,6 +29,10 @@ from .replica import EngineReplica
 logger = logging.getLogger("ponytail.serve")
 
 INGRESS_SHUTDOWN_EXTRA_S = 10.0  # the ingress's graceful shutdown outlasts the engines' by this much
+# The ingress only awaits the engines (a slot costs a coroutine), so it takes at least this many
+# requests at once: with small engine bounds, the proxy's view of the ingress's load lags on a busy
+# host and its backstop queue (plain-text 503) filled before the engines' JSON 503 could answer.
+INGRESS_MIN_ONGOING_REQUESTS = 1024
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -167,8 +171,9 @@ def build(args: AppArgs | dict | None = None):
     # so overload meets the engines' bound and gets the API's 503 (a refusal frees its slot at
     # once); its own queue is bounded too, as a backstop (Serve's plain 503, same Retry-After).
     engines = settings.max_replicas * settings.replica_max_ongoing_requests
-    ingress = OpenAIIngress.options(max_ongoing_requests=engines + 2 * settings.max_queued_requests,
-                                    max_queued_requests=engines + 4 * settings.max_queued_requests,
+    ingress_ongoing = max(engines + 2 * settings.max_queued_requests, INGRESS_MIN_ONGOING_REQUESTS)
+    ingress = OpenAIIngress.options(max_ongoing_requests=ingress_ongoing,
+                                    max_queued_requests=2 * ingress_ongoing,
                                     backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s),
                                     graceful_shutdown_timeout_s=settings.shutdown_timeout_s + INGRESS_SHUTDOWN_EXTRA_S)
     return ingress.bind(engine_deployment.bind(**engine_args), retry_after_s=settings.retry_after_s, limits=settings.limits(),
