@@ -11,6 +11,7 @@ import torch
 from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
 from .engine.llm_engine import LLMEngine
+from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
 from .models.loader import load_model
 from .runner.compile import can_compile
@@ -24,9 +25,10 @@ logger = logging.getLogger("ponytail.engine")
 
 CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
 GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the model
-# A CPU step's time grows with its tokens: a long prompt in 256-token chunks keeps each step beside
-# running streams within a few decode steps' time (docs/engine.md), where 2048 stalled them for seconds.
-CPU_BATCHED_TOKENS = 256
+# A CPU step's time grows with its tokens (and, context_aware_chunks, their context): a long prompt in
+# chunks of this budget keeps the streams beside it within 2x of their usual pause (docs/engine.md),
+# where 2048 stalled them for seconds.
+CPU_BATCHED_TOKENS = 128
 # On a GPU a prefill step's time barely grows below a few thousand tokens (the weights are read once
 # per step either way), so a larger budget is more prompt tokens per weight read: vLLM's online
 # default for this class of device. docs/benchmarks.md measures it against 2,048.
@@ -47,6 +49,10 @@ class LLM:
     and it has a `layers` list; a model object handed over stays eager unless True (compiling
     changes its layers in place). Inductor caches its kernels on disk (TORCHINDUCTOR_CACHE_DIR),
     so later starts skip most of the compile.
+    context_aware_chunks: a prefill chunk's share of max_num_batched_tokens counts its attention
+    over cached context too (engine/chunk_cost.py), so the last chunks of a long prompt are
+    smaller and no step beside running streams is much slower than the first; None: on for the
+    CPU, where attention over a long context is a large part of a step (docs/engine.md).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -54,7 +60,8 @@ class LLM:
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
-                 kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None):
+                 kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
+                 context_aware_chunks: bool | None = None):
         loaded_here = model is None or isinstance(model, str)
         if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -83,6 +90,11 @@ class LLM:
         elif not isinstance(async_scheduling, bool):
             raise ConfigError(f"async_scheduling={async_scheduling!r} must be True, False or None "
                               "(None: on for CUDA devices, off on the CPU)")
+        if context_aware_chunks is None:
+            context_aware_chunks = device.type == "cpu"
+        elif not isinstance(context_aware_chunks, bool):
+            raise ConfigError(f"context_aware_chunks={context_aware_chunks!r} must be True, False or None "
+                              "(None: on for the CPU, off on CUDA devices)")
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
@@ -97,7 +109,8 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model,
                                 async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
-                                kv_release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom)
+                                kv_release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom,
+                                context_cost=context_cost(text_config) if context_aware_chunks else 0.0)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 

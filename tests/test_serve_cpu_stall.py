@@ -56,10 +56,6 @@ def run_streams(client, long_prompt: str | None):
     return [longest_pause(s) for s in stamps], sent, answered, stamps
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 14's target is not met yet: on a quiet 2-core machine the streams' longest pause was 4.2x "
-    "(256-token CPU budget: 1.39 s vs 0.33 s) and 3.3x (128: 1.12 s vs 0.34 s) the undisturbed one; "
-    "the stall is not proportional to the chunk size and was not profiled (docs/engine.md)"))
 def test_a_2k_prompt_arriving_keeps_the_streams_pauses_within_3x(default_model):
     tokenizer = default_model[1]
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches ".split()
@@ -74,5 +70,7 @@ def test_a_2k_prompt_arriving_keeps_the_streams_pauses_within_3x(default_model):
         busy, sent, answered, stamps = run_streams(client, long_prompt)
     # The long prompt was prefilled while every stream was still decoding (else nothing was measured).
     assert all(s[0] < sent and s[-1] > answered for s in stamps), "the streams ended before the prompt was answered"
+    print(f"longest pause {max(busy):.2f} s with the prompt arriving, {max(quiet):.2f} s without "
+          f"({max(busy) / max(quiet):.1f}x); prompt answered in {answered - sent:.2f} s")
     assert max(busy) <= 3 * max(quiet), (f"longest pause {max(busy):.2f} s with a 2k-token prompt arriving, "
                                          f"{max(quiet):.2f} s without (prompt answered in {answered - sent:.2f} s)")

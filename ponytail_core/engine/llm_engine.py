@@ -72,7 +72,8 @@ class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
     Outputs are the same as without it. enable_prefix_caching and kv_release_after_s go to the
-    pool (PagedKVCache's enable_prefix_caching and release_after_s)."""
+    pool (PagedKVCache's enable_prefix_caching and release_after_s); context_cost to the
+    scheduler (chunk_cost.py: 0 counts every token of a step alike)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
@@ -80,13 +81,14 @@ class LLMEngine:
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
                  compile_model: bool = False, async_scheduling: bool = False,
                  enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0,
-                 device_headroom_bytes: int = 0):
+                 device_headroom_bytes: int = 0, context_cost: float = 0.0):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
                                   enable_prefix_caching=enable_prefix_caching,
                                   device_headroom_bytes=device_headroom_bytes)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   context_cost=context_cost)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)
         self.vocab_size = model.config.get_text_config().vocab_size

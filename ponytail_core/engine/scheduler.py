@@ -5,7 +5,9 @@ one token, one still in (chunked) prefill takes what the budget leaves. When the
 a running request its next slot, the newest running request is preempted (its blocks are freed
 and it is recomputed later; its full blocks stay in the prefix cache, so recompute is often
 cheap). Waiting requests are then admitted in arrival order (FCFS: nobody jumps the queue, so
-nobody starves) while their whole prompt fits with a watermark of free blocks to spare. A request
+nobody starves) while their whole prompt fits with a watermark of free blocks to spare. With a
+context_cost (chunk_cost.py) a prefill chunk counts its attention over cached context too, so
+the late chunks of a long prompt get fewer tokens; decode rows count one token each. A request
 that could never fit is refused when it is added, so the queue cannot deadlock. A request with
 several samples (n > 1, best_of) is admitted alone but takes running slots for all of them; the
 engine forks the others when its prefill ends and hands them over with `adopt`.
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError, ContextLengthError
 from ..kv.paged_cache import PagedKVCache
 from ..runner.inputs import ScheduledChunk
+from .chunk_cost import chunk_cost, chunk_tokens
 from .request import Request, RequestStatus
 from .stats import BlockPromises
 from ..utils.arith import cdiv
@@ -35,8 +38,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark: float = 0.01):
+                 max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0):
         self.cache = cache
+        self.context_cost = context_cost  # chunk_cost.context_cost, or 0: every token counts one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -118,9 +122,9 @@ class Scheduler:
                 self._preempt(self.running.pop())  # the newest
                 preempted = True
                 continue  # retry the same request (or stop if it was the victim)
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            n = self._take(request.num_tokens - request.num_computed_tokens, request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
-            budget -= n
+            budget -= chunk_cost(n, request.num_computed_tokens, self.context_cost) if n > 1 else n
             i += 1
         if not preempted:
             self._admit(chunks, budget)
@@ -159,9 +163,13 @@ class Scheduler:
             self.running.append(request)
             seats += request.seqs_to_come
             self.promises.started(request)
-            n = min(len(tokens) - request.num_computed_tokens, budget)
+            n = self._take(len(tokens) - request.num_computed_tokens, request.num_computed_tokens, budget)
             chunks.append(self._chunk(request, n))
-            budget -= n
+            budget -= chunk_cost(n, request.num_computed_tokens, self.context_cost) if n > 1 else n
+
+    def _take(self, want: int, start: int, budget: int) -> int:
+        """Tokens of a chunk: a decode row's one, or what the budget leaves for a prefill chunk."""
+        return min(want, budget) if want == 1 else chunk_tokens(want, start, budget, self.context_cost)
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens
