@@ -73,7 +73,7 @@ def test_constrained_rows_take_only_allowed_tokens_and_free_rows_are_untouched()
 
 def test_greedy_constrained_row_takes_the_best_allowed_token_and_logprobs_stay_raw():
     logits = torch.tensor([[5.0, 1.0, 3.0, 2.0] + [0.0] * 60])
-    batch = SamplingBatch.build([SamplingParams(temperature=0)], [[]], [[]], [None], CPU,
+    batch = SamplingBatch.build([SamplingParams(temperature=0, logprobs=0)], [[]], [[]], [None], CPU,
                                 token_bitmask=([0], bitmask([[1, 3]], 64)))
     out = sample(logits, batch)
     assert int(out.token_ids[0]) == 3

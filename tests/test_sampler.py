@@ -216,8 +216,21 @@ def test_logprobs_are_the_raw_log_softmax():
     assert sample(logits, batch_of([SP()] * 4)).top_logprobs is None
 
 
+def test_logprobs_are_computed_only_when_a_row_asks_and_a_plain_greedy_batch_copies_nothing():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    plain = batch_of([SP(temperature=0)] * 3)
+    assert not plain.writes_logits
+    out = sample(logits, plain)
+    assert out.logprobs is None and out.top_logprobs is None
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    assert batch_of([SP(temperature=0, logit_bias={1: 5.0})] * 3).writes_logits
+    assert batch_of([SP(temperature=0, min_tokens=2)] * 3, outputs=[[]] * 3, eos=7).writes_logits
+    assert batch_of([SP(temperature=0, presence_penalty=0.5)] * 3, outputs=[[1]] * 3).writes_logits
+    assert batch_of([SP(), SP(temperature=0), SP()]).writes_logits
+
+
 def test_token_ids_outside_the_vocabulary_are_refused():
-    batch = batch_of([SP(frequency_penalty=1.0)], outputs=[[50]])
+    batch = batch_of([SP(frequency_penalty=1.0, logprobs=0)], outputs=[[50]])
     with pytest.raises(ValueError, match="token id 50 is outside the vocabulary of 10"):
         sample(torch.zeros(1, 10), batch)
     assert math.isclose(sample(torch.zeros(1, 51), batch).logprobs.item(), -math.log(51),
