@@ -251,3 +251,12 @@ def test_logit_bias_adds_to_the_raw_logits_before_penalties():
 def test_bad_logit_bias_names_the_field(bias):
     with pytest.raises(ponytail.ConfigError, match=r"^logit_bias=.* is invalid; allowed: None or a dict of token ids"):
         SP(logit_bias=bias)
+
+
+def test_greedy_ties_take_the_first_largest_token_as_argmax_does():
+    logits = torch.zeros(2, 6)
+    logits[0, [2, 4]] = 3.0
+    logits[1, [0, 5]] = -1.0
+    logits[1, 1:5] = -2.0
+    out = sample(logits, batch_of([SP(temperature=0)] * 2))
+    assert out.token_ids.tolist() == [2, 0] == logits.argmax(-1).tolist()
