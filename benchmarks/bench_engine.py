@@ -17,7 +17,9 @@ Peers: plain `model.generate` on the whole batch, transformers' continuous batch
 prefix by the model in float32, a differing token passing only as a near tie within the dtype's
 noise (in fp32 on the CPU: the same tokens).
 Then each peer is timed on the same requests with EOS ignored: output tokens/s, time to first
-token and time per output token (p50/p99), and peak device memory above the weights.
+token and time per output token (p50/p99), and peak device memory above the weights. Plain
+generate and Ponytail run in --rounds of alternating order (3 with --small) and each reports its
+median round; generate_batch runs once, after them.
 
 --capacity BUDGET runs Ponytail alone with that KV budget on more requests than fit at once and
 reports the most sequences it ran concurrently, against what a cache preallocated per sequence
@@ -185,6 +187,12 @@ def run_ponytail(model, tokenizer, batch, output_len, device, weights, kv_memory
     return result, [o.token_ids for o in outputs], llm
 
 
+def median_round(runs: list[dict]) -> dict:
+    """The run with the median tokens/s, with every round's tokens/s under "rounds" (in order)."""
+    middle = sorted(runs, key=lambda r: r["tokens_per_s"])[(len(runs) - 1) // 2]
+    return {**middle, "rounds": [r["tokens_per_s"] for r in runs]}
+
+
 def check_variant(model, tokenizer, batch, steps, kv_memory, compile_model):
     """The output check `ponytail bench` runs (ponytail.bench.output_check), for one variant."""
     def generate(prompts, params):  # builds, runs and drops its engine, as check_outputs asks
@@ -278,6 +286,9 @@ def main() -> int:
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed runs per peer, alternating order; the median is reported (default: 3 with "
+                             "--small, else 1)")
     parser.add_argument("--json")
     peer_bench.add_arguments(parser)
     args = parser.parse_args()
@@ -287,6 +298,8 @@ def main() -> int:
     if unknown:
         parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
                      f"ponytail_eager, vllm")
+    if args.rounds is not None and args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: allowed: 1 or more")
     if peer_bench.side_by_side(parser, args, peers):
         return peer_bench.run(args, peers)
     if "ponytail_eager" in peers:
@@ -319,18 +332,26 @@ def main() -> int:
             print(f"{variant} produces wrong tokens: not timed", file=sys.stderr)
             return 1
 
-    # 2. Timing, same requests for every peer.
-    results = []
-    if "plain" in peers:
-        results.append(run_plain(model, batch, args.output_len, device, weights)[0])
+    # 2. Timing, same requests for every peer, in rounds of alternating order (plain generate and
+    # Ponytail are within a few percent of each other on --small, less than one run's noise on a
+    # shared machine); each peer's median round is reported. generate_batch runs once, last: it is
+    # the slowest, and the peers timed after it in one process ran ~10% slower.
+    timed = (["plain"] if "plain" in peers else []) + variants
+    rounds = args.rounds or (3 if args.small else 1)
+    runs = {peer: [] for peer in timed}
+    for round_index in range(rounds):
+        for peer in timed if round_index % 2 == 0 else timed[::-1]:
+            if peer == "plain":
+                runs[peer].append(run_plain(model, batch, args.output_len, device, weights)[0])
+            else:
+                runs[peer].append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights,
+                                               args.kv_memory, peer == "ponytail_compiled")[0])
+    results = [median_round(runs[peer]) for peer in timed]
     if "generate_batch" in peers:
         try:
             results.append(run_generate_batch(model, batch, args.output_len, device, weights)[0])
         except Exception as exc:  # report, do not hide: the row says why it is missing
             print(f"generate_batch failed: {type(exc).__name__}: {exc}")
-    for variant in variants:
-        results.append(run_ponytail(model, tokenizer, batch, args.output_len, device, weights, args.kv_memory,
-                                    variant == "ponytail_compiled")[0])
 
     capacity = run_capacity(model, tokenizer, args, device, args.capacity) if args.capacity else None
     chat = run_chat(model, tokenizer, device, args.kv_memory) if args.small and "ponytail" in peers else None
@@ -348,7 +369,11 @@ def main() -> int:
     for mine in (r for r in results if r["peer"].startswith("ponytail")):
         for r in results:
             if not r["peer"].startswith("ponytail"):
-                print(f"{mine['peer']} / {r['peer']}: {mine['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s")
+                per_round = ""
+                if len(mine["rounds"]) > 1 and len(r.get("rounds", [])) == len(mine["rounds"]):
+                    per_round = " (median of {} rounds; each round: {})".format(
+                        len(mine["rounds"]), ", ".join(f"{a / b:.2f}x" for a, b in zip(mine["rounds"], r["rounds"])))
+                print(f"{mine['peer']} / {r['peer']}: {mine['tokens_per_s'] / r['tokens_per_s']:.2f}x tokens/s{per_round}")
         print(f"{mine['peer']}: KV pool peak {mine['kv_pool_peak_bytes'] / 1e9:.2f} GB; live tokens need "
               f"{mine['kv_live_tokens_need_bytes'] / 1e9:.2f} GB (incl. one block per sequence); "
               f"preemptions {mine['preemptions']}")

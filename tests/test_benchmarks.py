@@ -23,7 +23,7 @@ def run_script(name: str, *args: str, timeout: int = 900) -> None:
 def test_bench_engine_small_runs_every_peer_and_agrees_with_plain_generate(tmp_path):
     out = tmp_path / "engine.json"
     run_script("bench_engine.py", "--small", "--check-tokens", "8", "--capacity", "8MiB",
-               "--capacity-max-len", "256", "--json", str(out))
+               "--capacity-max-len", "256", "--rounds", "2", "--json", str(out))
     report = json.loads(out.read_text())
     check = report["agreement"]["ponytail"]  # ponytail.bench.output_check, the check `ponytail bench` runs
     assert check["passed"] and check["ponytail"]["near_ties"] == check["ponytail"]["wrong"] == []
@@ -32,6 +32,9 @@ def test_bench_engine_small_runs_every_peer_and_agrees_with_plain_generate(tmp_p
     assert {"plain generate", "ponytail"} <= peers
     ours = next(r for r in report["results"] if r["peer"] == "ponytail")
     assert ours["tokens_per_s"] > 0 and ours["preemptions"] == 0
+    plain = next(r for r in report["results"] if r["peer"] == "plain generate")
+    assert len(ours["rounds"]) == len(plain["rounds"]) == 2  # alternating rounds, the median reported
+    assert ours["tokens_per_s"] == sorted(ours["rounds"])[0]  # of two, the lower
     assert report["capacity"]["used_blocks_after"] == 0 and report["capacity"]["peak_running"] > 0
     chat = report["chat"]  # the seeded chat workload with long prompts: every step timed
     assert chat["long_prompts"] == 2 and chat["output_tokens"] > 0 and chat["steps"] > 0
