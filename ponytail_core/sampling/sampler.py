@@ -298,29 +298,66 @@ def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> None:
     """min_p, then top_k, then top_p, in place on temperature-scaled float32 logits.
 
     min_p keeps p_i >= min_p * p_max, i.e. logit_i >= max_logit + log(min_p): no softmax needed.
-    top_k alone uses topk(max_top_k); top_p sorts once. Ties at a threshold are all kept.
+    top_k alone uses topk(max_top_k); top_p sorts once on CUDA, and on the CPU looks at each row's
+    most likely tokens first (_top_p_from_candidates). Ties at a top_k threshold are all kept.
     """
     if batch.min_p is not None:
         floor = logits.amax(-1, keepdim=True) + batch.min_p.log().unsqueeze(1)
         logits.masked_fill_(logits < floor, float("-inf"))
     k = batch.top_k
-    if batch.top_p is None:
+    if batch.top_p is None or logits.device.type == "cpu":
         if k is not None:
             top = logits.topk(min(batch.max_top_k, logits.shape[1]), dim=-1).values
             kth = top.gather(1, (k.clamp(1, top.shape[1]) - 1).unsqueeze(1))
             kth.masked_fill_((k == 0).unsqueeze(1), float("-inf"))
             logits.masked_fill_(logits < kth, float("-inf"))
+        if batch.top_p is not None:
+            _top_p_from_candidates(logits, batch.top_p)
         return
+    _top_k_top_p_sorted(logits, k, batch.top_p)
+
+
+def _top_k_top_p_sorted(logits: torch.Tensor, k: torch.Tensor | None, top_p: torch.Tensor) -> None:
+    """top_k then top_p over a full sort of each row (the CUDA path; the CPU's fallback)."""
     ordered, order = logits.sort(dim=-1)  # ascending: the most likely tokens are last
     vocab = logits.shape[1]
     if k is not None:
         k = torch.where(k == 0, vocab, k.clamp(max=vocab))
         kth = ordered.gather(1, (vocab - k).unsqueeze(1))
         ordered.masked_fill_(ordered < kth, float("-inf"))
-    below = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - batch.top_p).unsqueeze(1)
+    below = ordered.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p).unsqueeze(1)
     below[:, -1] = False  # always keep the most likely token
     ordered.masked_fill_(below, float("-inf"))
     logits.scatter_(1, order, ordered)
+
+
+TOP_P_CANDIDATES = 1024  # tokens per row the CPU's top_p looks at before it sorts a whole row
+
+
+def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None:
+    """top_p among each row's TOP_P_CANDIDATES most likely tokens, exact where they hold at least
+    top_p of the row's probability (so the nucleus is among them); other rows sort in full.
+
+    A full sort of 64 rows x 49,152 took 178 ms on the CPU, topk(1024) 21 ms. A token is kept when
+    the probability of the tokens before it (most likely first) is below top_p, as the sort path's
+    "drop the least likely tokens whose total is at most 1 - top_p"."""
+    rows, vocab = logits.shape
+    probs = logits.softmax(dim=-1)
+    values, ids = probs.topk(min(TOP_P_CANDIDATES, vocab), dim=-1)  # most likely first
+    before = values.cumsum(dim=-1) - values  # mass of the more likely candidates
+    covered = (before[:, -1] + values[:, -1]) >= top_p
+    keep = before < top_p.unsqueeze(1)
+    keep[:, 0] = True  # always keep the most likely token
+    kept = torch.full_like(logits, float("-inf"))
+    kept.scatter_(1, ids, torch.where(keep, logits.gather(1, ids), float("-inf")))
+    if bool(covered.all()):
+        logits.copy_(kept)
+        return
+    rest = (~covered).nonzero().flatten()  # the nucleus is wider than the candidates: sort these rows
+    wide = logits.index_select(0, rest)
+    _top_k_top_p_sorted(wide, None, top_p.index_select(0, rest))
+    kept.index_copy_(0, rest, wide)
+    logits.copy_(kept)
 
 
 def _random_tokens(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
