@@ -7,9 +7,9 @@ import torch
 
 import ponytail
 
+from ponytail.sampling.draws import apply_filters
 from ponytail.sampling.sampler import (
     SamplingBatch,
-    apply_filters,
     apply_penalties,
     request_generator,
     sample,
@@ -264,9 +264,9 @@ def test_greedy_ties_take_the_first_largest_token_as_argmax_does():
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cpu_top_p_from_candidates_keeps_what_the_full_sort_keeps(seed, monkeypatch):
-    from ponytail.sampling import sampler
+    from ponytail.sampling import draws
 
-    monkeypatch.setattr(sampler, "TOP_P_CANDIDATES", 64)  # small, so some rows need the full sort
+    monkeypatch.setattr(draws, "TOP_P_CANDIDATES", 64)  # small, so some rows need the full sort
     g = torch.Generator().manual_seed(seed)
     vocab = 500
     peaky = -2.0 * (torch.stack([torch.randperm(vocab, generator=g) for _ in range(6)]) + 1).float().log()
@@ -275,10 +275,10 @@ def test_cpu_top_p_from_candidates_keeps_what_the_full_sort_keeps(seed, monkeypa
     top_p = torch.tensor([0.5, 0.9, 0.95, 0.99, 0.2, 1e-6, 0.9, 0.95, 0.5, 0.99])
     top_k = torch.tensor([0, 0, 10, 0, 3, 0, 0, 100, 0, 7])
     expected = logits.clone()
-    sampler._top_k_top_p_sorted(expected, top_k, top_p)
+    draws.top_k_top_p_sorted(expected, top_k, top_p)
     params = [SP(temperature=1.0, top_p=float(p), top_k=int(k)) for p, k in zip(top_p, top_k)]
     got = logits.clone()
-    sampler.apply_filters(got, batch_of(params))
+    draws.apply_filters(got, batch_of(params))
     assert torch.equal(torch.isfinite(got), torch.isfinite(expected))
     assert torch.equal(got[torch.isfinite(got)], logits[torch.isfinite(got)])  # kept logits are untouched
     assert torch.isfinite(got).sum(-1).min() >= 1

@@ -72,8 +72,7 @@ class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
     Outputs are the same as without it. enable_prefix_caching and kv_release_after_s go to the
-    pool (PagedKVCache's enable_prefix_caching and release_after_s); context_cost to the
-    scheduler (chunk_cost.py: 0 counts every token of a step alike)."""
+    pool (PagedKVCache's), context_cost to the scheduler (chunk_cost.py; 0: tokens count alike)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
@@ -87,8 +86,7 @@ class LLMEngine:
         self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
                                   enable_prefix_caching=enable_prefix_caching,
                                   device_headroom_bytes=device_headroom_bytes)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   context_cost=context_cost)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)
         self.vocab_size = model.config.get_text_config().vocab_size
