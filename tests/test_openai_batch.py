@@ -6,7 +6,7 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import local_server  # noqa: E402
+from openai_support import served_openai  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -15,10 +15,9 @@ PROMPTS = ["The capital of France is", "One, two, three,", "Water boils at"]
 
 @pytest.fixture(scope="module")
 def served():
-    with local_server() as (replica, url):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-            client.url = url
-            yield replica, client
+    with served_openai() as (replica, client, url):
+        client.url = url
+        yield replica, client
 
 
 def test_a_list_of_prompts_and_of_token_id_lists_equals_one_request_each(served):

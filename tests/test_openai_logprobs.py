@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import local_server
+from openai_support import served_openai  # noqa: E402
 from test_prompt_logprobs import plain_log_softmax  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
@@ -17,9 +17,8 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 
 @pytest.fixture(scope="module")
 def served():
-    with local_server() as (replica, url):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-            yield replica, client
+    with served_openai() as (replica, client, url):
+        yield replica, client
 
 
 def plain_prompt_logprobs(replica, ids):

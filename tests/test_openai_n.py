@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-openai = pytest.importorskip("openai")
+pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import local_server
+from openai_support import served_openai  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -19,9 +19,8 @@ CHAT = [{"role": "user", "content": "Name a fruit."}]
 
 @pytest.fixture(scope="module")
 def served():
-    with local_server() as (replica, url):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-            yield replica, client, url
+    with served_openai() as (replica, client, url):
+        yield replica, client, url
 
 
 def test_n4_returns_four_choices_equal_when_greedy(served):

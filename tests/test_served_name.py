@@ -10,6 +10,7 @@ pytest.importorskip("uvicorn")
 from transformers import AutoTokenizer
 
 from deployments.local_server import local_server
+from openai_support import served_openai  # noqa: E402
 from deployments.replica import tokenizer_source
 
 pytestmark = pytest.mark.network  # the default model
@@ -19,9 +20,8 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def served():
-    with local_server() as (replica, url):
-        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
-            yield replica, client
+    with served_openai() as (replica, client, url):
+        yield replica, client
 
 
 def test_the_first_model_id_loads_the_engines_tokenizer(served):

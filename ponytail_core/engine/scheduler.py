@@ -122,9 +122,9 @@ class Scheduler:
                 self._preempt(self.running.pop())  # the newest
                 preempted = True
                 continue  # retry the same request (or stop if it was the victim)
-            n = self._take(request.num_tokens - request.num_computed_tokens, request.num_computed_tokens, budget)
-            chunks.append(self._chunk(request, n))
-            budget -= chunk_cost(n, request.num_computed_tokens, self.context_cost) if n > 1 else n
+            chunk, used = self._next_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
+            chunks.append(chunk)
+            budget -= used
             i += 1
         if not preempted:
             self._admit(chunks, budget)
@@ -163,13 +163,16 @@ class Scheduler:
             self.running.append(request)
             seats += request.seqs_to_come
             self.promises.started(request)
-            n = self._take(len(tokens) - request.num_computed_tokens, request.num_computed_tokens, budget)
-            chunks.append(self._chunk(request, n))
-            budget -= chunk_cost(n, request.num_computed_tokens, self.context_cost) if n > 1 else n
+            chunk, used = self._next_chunk(request, len(tokens) - request.num_computed_tokens, budget)
+            chunks.append(chunk)
+            budget -= used
 
-    def _take(self, want: int, start: int, budget: int) -> int:
-        """Tokens of a chunk: a decode row's one, or what the budget leaves for a prefill chunk."""
-        return min(want, budget) if want == 1 else chunk_tokens(want, start, budget, self.context_cost)
+    def _next_chunk(self, request: Request, want: int, budget: int) -> tuple[ScheduledChunk, int]:
+        """The request's next chunk within `budget` (> 0) and the budget it takes: a decode row one
+        token, a prefill chunk what the budget leaves by its chunk_cost (chunk_cost.py)."""
+        start = request.num_computed_tokens
+        n = 1 if want == 1 else chunk_tokens(want, start, budget, self.context_cost)
+        return self._chunk(request, n), (1 if n == 1 else chunk_cost(n, start, self.context_cost))
 
     def _chunk(self, request: Request, n: int) -> ScheduledChunk:
         start = request.num_computed_tokens

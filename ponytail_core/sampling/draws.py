@@ -61,23 +61,19 @@ def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> None:
     A full sort of 64 rows x 49,152 took 178 ms on the CPU, topk(1024) 21 ms. A token is kept when
     the probability of the tokens before it (most likely first) is below top_p, as the sort path's
     "drop the least likely tokens whose total is at most 1 - top_p"."""
-    rows, vocab = logits.shape
-    probs = logits.softmax(dim=-1)
-    values, ids = probs.topk(min(TOP_P_CANDIDATES, vocab), dim=-1)  # most likely first
+    vocab = logits.shape[1]
+    values, ids = logits.softmax(dim=-1).topk(min(TOP_P_CANDIDATES, vocab), dim=-1)  # most likely first
     before = values.cumsum(dim=-1) - values  # mass of the more likely candidates
-    covered = (before[:, -1] + values[:, -1]) >= top_p
     keep = before < top_p.unsqueeze(1)
     keep[:, 0] = True  # always keep the most likely token
-    kept = torch.full_like(logits, float("-inf"))
-    kept.scatter_(1, ids, torch.where(keep, logits.gather(1, ids), float("-inf")))
-    if bool(covered.all()):
-        logits.copy_(kept)
-        return
-    rest = (~covered).nonzero().flatten()  # the nucleus is wider than the candidates: sort these rows
-    wide = logits.index_select(0, rest)
-    top_k_top_p_sorted(wide, None, top_p.index_select(0, rest))
-    kept.index_copy_(0, rest, wide)
-    logits.copy_(kept)
+    drop = torch.ones_like(logits, dtype=torch.bool).scatter_(1, ids, ~keep)
+    wide = (~(before[:, -1] + values[:, -1] >= top_p)).nonzero().flatten()  # nucleus wider than the candidates
+    if wide.numel():  # these rows sort in full
+        rows = logits.index_select(0, wide)
+        top_k_top_p_sorted(rows, None, top_p.index_select(0, wide))
+        logits.index_copy_(0, wide, rows)
+        drop.index_fill_(0, wide, False)
+    logits.masked_fill_(drop, float("-inf"))
 
 
 def random_tokens(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
