@@ -31,7 +31,11 @@ SKIP = {"ponytail-source.json", "model.safetensors.index.json", MARKER}  # descr
 # --shape: config.json fields replaced, keeping the exported tokenizer (and so its vocabulary).
 SHAPES = {"7b": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 128,
-                 "max_position_embeddings": 8192}}  # 8k: room for bench_engine's ~6k-token mixed prompts
+                 "max_position_embeddings": 8192},  # 8k: room for bench_engine's ~6k-token mixed prompts
+          # A forward pass that costs next to nothing on a CPU: the engine's host work (scheduler,
+          # sampler, detokenizer, streams) is what a step of it measures (profile_steps.py).
+          "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                   "num_key_value_heads": 4, "head_dim": 16, "max_position_embeddings": 8192}}
 
 
 def export_files(target: str | Path, source: str | Path | None = None) -> list[Path]:

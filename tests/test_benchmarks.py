@@ -61,6 +61,24 @@ def test_bench_host_overhead_runs():
                "--async-scheduling")
 
 
+@pytest.mark.network
+def test_profile_steps_runs_every_request_to_its_length_three_ways(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from random_checkpoint import build_checkpoint, export_files
+    finally:
+        sys.path.pop(0)
+    export_files(tmp_path / "files")  # the default model's tokenizer and config, no weights
+    model = build_checkpoint(tmp_path / "files", tmp_path / "tiny", shape="tiny")
+    out = tmp_path / "steps.json"
+    run_script("profile_steps.py", "--model", str(model), "--requests", "6", "--concurrency", "3",
+               "--profile-steps", "3", "--json", str(out))
+    report = json.loads(out.read_text())
+    for run in ("step_loop", "async_llm", "profiled"):
+        assert report[run]["tokens"] == report["output_tokens"], run  # EOS ignored: every token of every request
+    assert "tottime" in report["profiled"]["profile"]
+
+
 def test_profile_engine_small_accounts_for_the_step(tmp_path):
     out = tmp_path / "profile.json"
     run_script("profile_engine.py", "--small", "--json", str(out))

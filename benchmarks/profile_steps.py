@@ -1,0 +1,127 @@
+"""Where the time of many short sequences goes on a small model (host-bound on a GPU).
+
+    python benchmarks/profile_steps.py --model /tmp/ponytail-smollm2-random           # H200
+    python benchmarks/profile_steps.py --model /tmp/tiny --requests 32 --profile-steps 20   # CPU
+
+Runs bench_engine's seeded `mixed` requests (peer_workloads.py: chat-like lengths, EOS ignored)
+through `LLM(model)` with its defaults three ways: the engine's step loop alone (tokens/s, step
+wall time), the same requests streamed through `AsyncLLM` with at most --concurrency in flight
+and the stream interval Serve replicas use (what a replica adds before Ray), and the step loop
+again under cProfile, printing the functions with the most own time. On a GPU, a step of a
+135M model takes a few milliseconds of device time: whatever the loop spends above that is host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+
+import torch
+
+import ponytail
+from ponytail import SamplingParams
+
+import peer_workloads
+
+
+def sync() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def step_loop(llm, work, profile_steps: int = 0) -> dict:
+    """Every request added at once, then engine.step() until done; the first profile_steps steps under cProfile."""
+    engine = llm.engine
+    for prompt, n in zip(work.prompts, work.output_lens):
+        engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    profiler = cProfile.Profile() if profile_steps else None
+    steps, tokens, t0 = [], 0, time.perf_counter()
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        if profiler is not None and len(steps) < profile_steps:
+            profiler.enable()
+            outputs = engine.step()
+            profiler.disable()
+        else:
+            outputs = engine.step()
+        steps.append(time.perf_counter() - start)
+        tokens += sum(len(o.new_token_ids) for o in outputs)
+    sync()
+    seconds = time.perf_counter() - t0
+    for request_id in list(engine.requests):
+        engine.forget(request_id)
+    steps.sort()
+    result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(steps),
+              "step_p50_ms": 1e3 * steps[len(steps) // 2], "step_mean_ms": 1e3 * seconds / len(steps)}
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        result["profile"] = text.getvalue()
+    return result
+
+
+async def streamed(llm, work, concurrency: int, stream_interval_s: float) -> dict:
+    """The requests through AsyncLLM, at most `concurrency` in flight, deltas merged as a replica merges them."""
+    async_llm = ponytail.AsyncLLM(llm, stream_interval_s=stream_interval_s)
+    gate = asyncio.Semaphore(concurrency)
+    tokens, deltas = 0, 0
+
+    async def one(prompt, n):
+        nonlocal tokens, deltas
+        async with gate:
+            async for delta in async_llm.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)):
+                tokens += len(delta.new_token_ids)
+                deltas += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(p, n) for p, n in zip(work.prompts, work.output_lens)))
+    seconds = time.perf_counter() - t0
+    steps = async_llm.num_steps
+    return {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "deltas": deltas,
+            "engine_steps": steps}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory (random_checkpoint.py builds one)")
+    parser.add_argument("--requests", type=int, default=peer_workloads.MIXED_REQUESTS)
+    parser.add_argument("--concurrency", type=int, default=256, help="AsyncLLM run: requests in flight at most")
+    parser.add_argument("--stream-interval-s", type=float, default=0.05, help="as app.yaml's stream_interval_s")
+    parser.add_argument("--profile-steps", type=int, default=200, help="steps profiled (0: no profile)")
+    parser.add_argument("--json", help="write the numbers (and the profile's text) here")
+    args = parser.parse_args()
+    llm = ponytail.LLM(args.model)
+    config = llm.engine.model.config.get_text_config()
+    work = peer_workloads.build("mixed", config.vocab_size, llm.max_model_len)
+    work = peer_workloads.PeerWorkload("mixed", work.prompts[: args.requests], work.output_lens[: args.requests],
+                                       "output")
+    step_loop(llm, peer_workloads.PeerWorkload("warmup", work.prompts[:8], [4] * 8, "output"))  # compile, graphs
+    print(f"{len(work.prompts)} mixed requests, {work.prompt_tokens:,} prompt / {work.output_tokens:,} output "
+          f"tokens, {llm.device}")
+    loop = step_loop(llm, work)
+    print(f"engine step loop: {loop['tokens_per_s']:,.0f} output tokens/s, {loop['steps']} steps, "
+          f"step p50 {loop['step_p50_ms']:.2f} ms, mean {loop['step_mean_ms']:.2f} ms")
+    stream = asyncio.run(streamed(llm, work, args.concurrency, args.stream_interval_s))
+    print(f"AsyncLLM, {args.concurrency} in flight, stream interval {args.stream_interval_s} s: "
+          f"{stream['tokens_per_s']:,.0f} output tokens/s, {stream['engine_steps']} steps, {stream['deltas']} deltas")
+    report = {"requests": len(work.prompts), "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens,
+              "device": str(llm.device), "step_loop": loop, "async_llm": stream}
+    if args.profile_steps:
+        profiled = step_loop(llm, work, args.profile_steps)
+        print(f"under cProfile (first {args.profile_steps} steps): {profiled['tokens_per_s']:,.0f} tokens/s")
+        print(profiled["profile"])
+        report["profiled"] = profiled
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
