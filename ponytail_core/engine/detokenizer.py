@@ -114,6 +114,57 @@ class IncrementalDetokenizer:
         self.finished_by_stop = stop
 
 
+class StreamDetokenizer(IncrementalDetokenizer):
+    """IncrementalDetokenizer's stop strings and hold-back, with the decoding done by the tokenizers
+    library's DecodeStream (one Rust call per token, as vLLM's fast detokenizer): the window
+    technique above costs two `tokenizer.decode` calls per request per step, a quarter of the host
+    time of a 256-sequence step on a small model (docs/benchmarks.md). For fast tokenizers only
+    (`make_detokenizer` picks)."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, backend) -> None:
+        super().__init__(tokenizer, prompt_token_ids, params)
+        from tokenizers.decoders import DecodeStream
+
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        self._unread: list[int] = []  # stepped ids whose text is not out yet (a character still split)
+        for token in prompt_token_ids[-CONTEXT_TOKENS:]:  # context: spaces placed as mid-text
+            self._stream.step(backend, token)
+
+    def _decode_new(self, final: bool) -> str:
+        pieces = []
+        for token in self._ids[self._read_offset:]:
+            piece = self._stream.step(self._backend, token)
+            if piece is None:
+                self._unread.append(token)
+            else:
+                pieces.append(piece)
+                self._unread.clear()
+        self._read_offset = len(self._ids)
+        if final and self._unread:  # bytes of a character that never completed: U+FFFD, as decode gives
+            pieces.append(self._decode(self._unread))
+            self._unread.clear()
+        return "".join(pieces)
+
+
+def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    """The detokenizer for a request: none without a tokenizer, DecodeStream's for a fast one."""
+    if tokenizer is None:
+        return NoTextDetokenizer()
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and _has_decode_stream():
+        return StreamDetokenizer(tokenizer, prompt_token_ids, params, backend)
+    return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+
+
+def _has_decode_stream() -> bool:
+    try:
+        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
+    except ImportError:
+        return False
+    return True
+
+
 class NoTextDetokenizer:
     """For engines run without a tokenizer (token ids in, token ids out): no text is produced."""
 

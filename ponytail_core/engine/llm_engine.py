@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.config import CacheConfig
-from .detokenizer import IncrementalDetokenizer, NoTextDetokenizer
+from .detokenizer import IncrementalDetokenizer, make_detokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
@@ -159,8 +159,8 @@ class LLMEngine:
         self.track(request)
 
     def track(self, request: Request) -> None:  # a sequence's detokenizer and generator
-        self._detokenizers[request.request_id] = (IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, request.params) if self.tokenizer is not None else NoTextDetokenizer())
+        self._detokenizers[request.request_id] = make_detokenizer(self.tokenizer, request.prompt_token_ids,
+                                                                  request.params)
         self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
     def _prompt_token_ids(self, prompt) -> list[int]:
