@@ -47,20 +47,13 @@ class OpenAIIngress:
         self.limits = limits or RequestLimits()
         self.access = access or AccessPolicy(max_body_bytes=self.limits.max_body_bytes)
         self._streams: dict[str, Any] = {}
-        self._info: ModelInfo | None = None  # every engine replica of the app serves the same model
 
     def __serve_build_asgi_app__(self):
         return build_app(self, self.limits, self.access, request_id_header=False)  # Serve's proxy adds x-request-id
 
     async def model_info(self) -> ModelInfo:
-        """Asked of an engine replica once, then kept: every request reads it (model name, context),
-        and a round trip through the router and a replica's event loop per request is what a
-        streaming server can least afford. A redeploy with another model starts new ingress replicas."""
-        if self._info is not None:
-            return self._info
         try:
-            self._info = await self.engine_handle.model_info.remote()
-            return self._info
+            return await self.engine_handle.model_info.remote()
         except BackPressureError as exc:  # the engines' queue bounds this call too
             raise BackendUnavailable(f"all engine replicas are busy ({exc}); retry later",
                                      retry_after_s=self.retry_after_s) from None
