@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
+from .cpu_head import prepacked_head
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
@@ -42,6 +45,8 @@ class ModelRunner:
         self.hf_cache = PackedStepCache(cache)
         self.block_size = cache.config.block_size
         self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
+        # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).
+        self.head = prepacked_head(model) if self.device.type == "cpu" else None
         self.graphs = None
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
@@ -99,9 +104,10 @@ class ModelRunner:
         ids = self._tensor(input_ids, torch.int64)
         if fill is not None:
             fill_inputs(ids, *fill)
-        out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
-                         cache=self.hf_cache, use_cache=True,
-                         logits_to_keep=self._tensor(sample_at, torch.int64))
+        with self.head.active() if self.head is not None else contextlib.nullcontext():
+            out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
+                             cache=self.hf_cache, use_cache=True,
+                             logits_to_keep=self._tensor(sample_at, torch.int64))
         return out.logits[0].float()
 
     def _pick(self, logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
