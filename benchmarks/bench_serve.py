@@ -13,6 +13,14 @@ vLLM's `ignore_eos` and `min_tokens` extras, which Ponytail's API accepts too). 
 output tokens/s (completion tokens from the stream's usage over the wall time), TTFT and inter-token
 latency p50/p90/p99 (ITL: gaps between content chunks), errors. --compare runs the servers back to
 back, one concurrency at a time, and prints A/B ratios.
+
+--workload cpu-chat is issue 14's wave for a CPU server of the default model: prompts log-normal
+around 60 words (sigma 0.7) with one in twenty 1,000-3,000 words long (a pasted document), outputs
+log-normal around 48 tokens, 8-256; the issue saw 0 of 300 such requests finish in 14 minutes at
+concurrency 32 before the CPU attention and chunking work.
+
+    serve run deployments/app.yaml      # on a machine without a GPU
+    python benchmarks/bench_serve.py --url http://127.0.0.1:8000/v1 --workload cpu-chat --concurrency 32 --requests 300
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -45,11 +54,28 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
 
 
-def requests_for(n: int, seed: int, max_len: int | None, scale: int) -> list[tuple[str, int]]:
+CPU_CHAT_LONG_SHARE, CPU_CHAT_LONG = 0.05, (1000, 3000)
+
+
+def cpu_chat_lengths(n: int, seed: int, max_len: int | None) -> list[tuple[int, int]]:
+    """(prompt words, output tokens) of the cpu-chat workload (module docstring), seeded."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        long = rng.random() < CPU_CHAT_LONG_SHARE
+        prompt = rng.randint(*CPU_CHAT_LONG) if long else max(4, round(rng.lognormvariate(math.log(60), 0.7)))
+        output = min(max(round(rng.lognormvariate(math.log(48), 0.6)), 8), 256)
+        if max_len is not None:
+            prompt = min(prompt, max_len - output)
+        pairs.append((prompt, output))
+    return pairs
+
+
+def requests_for(n: int, seed: int, max_len: int | None, scale: int, workload: str = "mixed") -> list[tuple[str, int]]:
     """(prompt text, output tokens) per request; the same for a seed on every server."""
     rng = random.Random(seed)
-    return [(" ".join(rng.choice(WORDS) for _ in range(prompt)), output)
-            for prompt, output in mixed_lengths(n, seed, max_len, scale)]
+    lengths = cpu_chat_lengths(n, seed, max_len) if workload == "cpu-chat" else mixed_lengths(n, seed, max_len, scale)
+    return [(" ".join(rng.choice(WORDS) for _ in range(prompt)), output) for prompt, output in lengths]
 
 
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> dict:
@@ -154,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-len", type=int, default=7680,
                         help="prompt words + output tokens per request at most (under the servers' max_model_len)")
     parser.add_argument("--small", action="store_true", help="lengths divided by 32 (a CPU server)")
+    parser.add_argument("--workload", choices=("mixed", "cpu-chat"), default="mixed",
+                        help="mixed: peer_workloads.mixed_lengths; cpu-chat: issue 14's CPU wave (above)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds one request may take")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
@@ -162,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--compare {args.compare!r}: expected two http(s) URLs, comma-separated")
     if args.requests < 1 or args.max_len < 16:
         parser.error(f"--requests {args.requests} / --max-len {args.max_len}: expected >= 1 / >= 16")
-    work = requests_for(args.requests, args.seed, args.max_len, 32 if args.small else 1)
+    work = requests_for(args.requests, args.seed, args.max_len, 32 if args.small else 1, args.workload)
     runs = []
     for level in args.concurrency:
         for side, url in zip("AB", urls):  # back to back at each level: the same requests, the same seed

@@ -64,3 +64,19 @@ def test_bench_serve_counts_errors_instead_of_stopping(tmp_path):
 def test_bench_serve_refuses_bad_arguments(args, message):
     result = bench_serve(*args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_the_cpu_chat_wave_is_seeded_short_with_a_long_tail():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_serve import CPU_CHAT_LONG, cpu_chat_lengths, requests_for
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    pairs = cpu_chat_lengths(300, 0, 4096)
+    assert pairs == cpu_chat_lengths(300, 0, 4096) and pairs != cpu_chat_lengths(300, 1, 4096)
+    long = [p for p, _ in pairs if p >= CPU_CHAT_LONG[0]]
+    assert 5 <= len(long) <= 30 and all(p <= CPU_CHAT_LONG[1] for p in long)  # ~5% of 300
+    assert sorted(p for p, _ in pairs)[150] < 200 and all(8 <= n <= 256 for _, n in pairs)
+    assert all(p + n <= 1200 for p, n in cpu_chat_lengths(50, 0, 1200))
+    texts = requests_for(20, 0, 4096, 1, "cpu-chat")
+    assert [len(t.split()) for t, _ in texts] == [p for p, _ in cpu_chat_lengths(20, 0, 4096)]
