@@ -22,7 +22,13 @@ Rounds repeat everything with the routers' order reversed.
 --workload chat runs multi-turn chat sessions instead (chat_workload.py: shared system prompts,
 each turn extending the previous prompt and answer, through the chat API), with each replica's
 pool holding --pool-share of all sessions' final contexts, and compares prefix, kv_blocks and
-power_of_two by default. Every run reports its prefix hit rate: prompt tokens the engines found
+power_of_two by default. --chat-shape documents makes placement decide (the default shape's 4
+system prompts end up cached on both replicas whatever the router does, and its turns are
+decode-bound): 16 system prompts of 1,200 words (pasted documents), 200-word turns and 32-token
+answers, so most of a turn's time is its prefill, and a turn that lands where its session's last
+one ran prefills ~400 new tokens instead of up to ~2,000 of history; with --pool-share 0.25 the
+documents alone (~38k tokens) fill most of a pool, so they too are cached where they were sent.
+Every run reports its prefix hit rate: prompt tokens the engines found
 cached over prompt tokens admitted, from the replicas' own counters.
 
 Prints the KV budget, then per router, load and round: throughput (completion tokens/s), p50/p99
@@ -228,6 +234,9 @@ def main() -> int:
                         help="mix: long and short prompts in bursts (the default); chat: multi-turn sessions "
                         "sharing system prompts (chat_workload.py), --gaps then being seconds between session starts")
     parser.add_argument("--sessions", type=int, help="chat: sessions per load (default 48, 4 --small)")
+    parser.add_argument("--chat-shape", choices=("turns", "documents"), default="turns",
+                        help="chat on GPUs: turns (4 system prompts of 700 words, 128-token answers) or documents "
+                        "(16 of 1,200 words, 32-token answers: prefill-heavy, placement decides; see above)")
     parser.add_argument("--pool-share", type=float, default=0.5,
                         help="chat: each replica's KV pool holds this share of all sessions' final contexts "
                         "(default 0.5: the two pools hold them all only if no prefix is cached twice)")
@@ -255,8 +264,11 @@ def main() -> int:
     else:
         sizes = dict(n=args.requests, long_share=0.25, long_len=4000, short_len=64, max_tokens=128, burst=16,
                      max_model_len=4224)
-        shape = ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=4, system_words=700, user_words=100,
-                          max_tokens=128, session_gap_s=0.1, think_s=0.5)
+        shape = (ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=16, system_words=1200,
+                           user_words=200, max_tokens=32, session_gap_s=0.1, think_s=0.5)
+                 if args.chat_shape == "documents" else
+                 ChatShape(sessions=args.sessions or 48, turns=4, system_prompts=4, system_words=700, user_words=100,
+                           max_tokens=128, session_gap_s=0.1, think_s=0.5))
         # compile_model off: it speeds every router's engines alike and would add a compile to each app's start.
         engine = dict(device="cuda", max_num_seqs=64, num_gpus=1 / args.replicas_per_gpu, compile_model=False)
         gaps = args.gaps or [shape.session_gap_s if chat else 1.0]
