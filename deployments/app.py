@@ -172,7 +172,7 @@ def build(args: AppArgs | dict | None = None):
     # once); its own queue is bounded too, as a backstop (Serve's plain 503, same Retry-After).
     engines = settings.max_replicas * settings.replica_max_ongoing_requests
     ingress_ongoing = max(engines + 2 * settings.max_queued_requests, INGRESS_MIN_ONGOING_REQUESTS)
-    ingress = OpenAIIngress.options(max_ongoing_requests=ingress_ongoing,
+    ingress = OpenAIIngress.options(num_replicas=settings.ingress_replicas, max_ongoing_requests=ingress_ongoing,
                                     max_queued_requests=2 * ingress_ongoing,
                                     backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s),
                                     graceful_shutdown_timeout_s=settings.shutdown_timeout_s + INGRESS_SHUTDOWN_EXTRA_S)

@@ -60,6 +60,9 @@ class AppArgs(BaseModel):
     block_size: int = Field(DEFAULT_BLOCK_SIZE, description="tokens per KV block")
     min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
     max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
+    ingress_replicas: int = Field(1, description="OpenAI ingress replicas (HTTP, SSE, a Ray message per "
+                                  "stream per delta): more spread many streams' per-delta work over processes; "
+                                  "each takes one CPU and queues up to max_queued_requests toward the engines")
     target_ongoing_requests: float | None = Field(
         None, description="requests per replica the autoscaler aims at; unset: max_num_seqs on a GPU (a new "
                           f"replica when one's batch is full), {CPU_TARGET_ONGOING} on a CPU")
@@ -149,7 +152,7 @@ class AppArgs(BaseModel):
                              "(0: a message per engine step)")
         return value
 
-    @field_validator("max_num_seqs", "block_size", "max_queued_requests", "max_model_len")
+    @field_validator("max_num_seqs", "block_size", "max_queued_requests", "max_model_len", "ingress_replicas")
     @classmethod
     def _positive(cls, value: int | None, info) -> int | None:
         if value is not None and value < 1:

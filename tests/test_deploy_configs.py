@@ -40,6 +40,17 @@ def test_app_args_are_checked():
         AppArgs(max_hold_s=-1)
     with pytest.raises(ValueError, match=r"stream_interval_s=5 is not supported; allowed: seconds from 0 to 1"):
         AppArgs(stream_interval_s=5)
+    with pytest.raises(ValueError, match=r"ingress_replicas=0 is not supported; allowed: an integer >= 1"):
+        AppArgs(ingress_replicas=0)
+
+
+def test_the_ingress_scales_to_ingress_replicas():
+    from deployments.app import build
+
+    # Serve's Application keeps its ingress deployment here; no public accessor exists.
+    assert build({"device": "cpu"})._bound_deployment.num_replicas == 1
+    ingress = build({"device": "cpu", "ingress_replicas": "3"})._bound_deployment
+    assert (ingress.name, ingress.num_replicas) == ("OpenAIIngress", 3)
 
 
 def test_app_args_are_typed_from_strings_and_refuse_unknown_names():
