@@ -3,8 +3,8 @@
 A decode step multiplies a few rows (one per sampled sequence) by the vocabulary projection: for
 SmolLM2-135M 49,152 x 576 floats, a fifth of the model's weights. torch's CPU linear (MKL sgemm)
 re-packs that weight on every call at such row counts; oneDNN with the weight reordered ahead of
-time reads it once. Measured on 2 cores, 8 rows: 20 ms -> 7.6 ms a step, and the default model's
-`bench_engine.py --small` 83 -> 96 tokens/s (docs/benchmarks.md). The math is the same float32
+time reads it once. Measured on 2 cores, 8 rows: 20 ms -> 7.6 ms a step, which took the default
+model's `bench_engine.py --small` from parity to 1.06x plain generate (docs/benchmarks.md). The math is the same float32
 product summed in another order: logits within float32 rounding of F.linear's.
 
 The engine's runner switches the head's forward to this one only while it runs a step, so the
