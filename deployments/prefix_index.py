@@ -5,6 +5,10 @@ sequence numbers) and this router's own sends, added the moment a replica is cho
 burst of requests with one prefix already sees it there. A send the engine never caches (aborted
 before its prefill) stays until the replica drops that hash or the index outgrows the replica's
 pool; the router only ever reads it as a hint.
+
+It also remembers which of those blocks a routed request has hit since they were stored: the
+share of such blocks is what an eviction there is likely to cost (a cache full of one-off prompts
+costs nothing to evict; one full of shared system prompts and live sessions does).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ class PrefixIndex:
         self.seq = 0  # the newest report event applied
         self.num_resets = 0  # times reports skipped events and the index started over
         self._hashes: OrderedDict[int, None] = OrderedDict()
+        self._reused: set[int] = set()  # held hashes a routed request has hit since they were stored
 
     def __len__(self) -> int:
         return len(self._hashes)
@@ -44,12 +49,14 @@ class PrefixIndex:
         first = seq - len(events) + 1
         if first > self.seq + 1:
             self._hashes.clear()
+            self._reused.clear()
             self.num_resets += 1
         for block_hash, stored in events[max(0, self.seq + 1 - first):]:
             if stored:
                 self._touch(block_hash)
             else:
                 self._hashes.pop(block_hash, None)
+                self._reused.discard(block_hash)
         self.seq = seq
         self._trim()
 
@@ -58,6 +65,15 @@ class PrefixIndex:
         for block_hash in hashes:
             self._touch(block_hash)
         self._trim()
+
+    def mark_reused(self, hashes: Iterable[int]) -> None:
+        """Blocks a routed request found here (its hits)."""
+        self._reused.update(h for h in hashes if h in self._hashes)
+
+    @property
+    def reuse_share(self) -> float:
+        """Share of the held blocks that some routed request has hit: 0.0 when none are held."""
+        return len(self._reused) / len(self._hashes) if self._hashes else 0.0
 
     def match(self, hashes: Sequence[int]) -> int:
         """Leading blocks of a prompt (its chain hashes, in order) found here."""
@@ -74,4 +90,4 @@ class PrefixIndex:
 
     def _trim(self) -> None:
         while len(self._hashes) > self.capacity:
-            self._hashes.popitem(last=False)
+            self._reused.discard(self._hashes.popitem(last=False)[0])

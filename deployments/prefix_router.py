@@ -31,10 +31,14 @@ class PrefixAffinityRouter(KVBlockRouter):
       replica that holds the prefix fits requests the free-block count alone would call too big,
       and the reservation is need;
     - evicts = need beyond the replica's free blocks that hold no cached prefix (cached_blocks):
-      those blocks push other prefixes out of its cache;
-    - affinity = PREFIX_WEIGHT * (hits - evicts) / blocks of (prompt + max_tokens), taken off the
-      score (pool share in use + load share, lower first). A request that would evict more than
-      it gains has negative affinity and goes elsewhere unless every replica evicts as much.
+      those blocks push other prefixes out of its cache; each is weighed by the index's reuse
+      share (held blocks that a routed request has hit), what an evicted block is likely worth;
+    - affinity = PREFIX_WEIGHT * (hits - evicts * reuse share) / blocks of (prompt + max_tokens),
+      taken off the score (pool share in use + load share, lower first). A request that would
+      evict more reused prefix than it gains has negative affinity and goes elsewhere unless every
+      replica evicts as much. A cache of one-off prompts (a random mix) costs nothing to evict, so
+      such traffic ranks as under KVBlockRouter; weighing every eviction alike would steer it to
+      whichever replica has served less so far instead of the less loaded one.
 
     The score's other two terms each run from 0 to 1, so at PREFIX_WEIGHT 2 a request whose
     blocks are nearly all cached on one replica goes there unless that replica is both the fullest
@@ -129,11 +133,13 @@ class PrefixAffinityRouter(KVBlockRouter):
             return super()._placement(replica, report, free, tokens, pending_request)
         hashes, tokens = prompt
         total = blocks_needed(tokens, report.block_size)
-        hits = min(self.index(replica).match(hashes), total - 1)
+        index = self.index(replica)
+        hits = min(index.match(hashes), total - 1)
         need = total - hits
         cached_blocks = _cached_blocks(replica.routing_stats)
         evicts = max(0, need - max(0, free - cached_blocks))
-        return Placement(need=need, affinity=self.prefix_weight * (hits - evicts) / total)
+        lost = evicts * index.reuse_share
+        return Placement(need=need, affinity=self.prefix_weight * (hits - lost) / total)
 
     def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
         replica = self._replicas.get(replica_id)
@@ -144,6 +150,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         index = self.index(replica)
         total = blocks_needed(tokens, report.block_size)
         hits = min(index.match(hashes), total - 1)
+        index.mark_reused(hashes[:hits])
         index.add(hashes)  # there once prefilled: the next request with this prefix sees it at once
         return total - hits
 

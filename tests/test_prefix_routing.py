@@ -179,21 +179,70 @@ def test_cached_blocks_are_not_needed_again_and_pull_the_request(clock):
     run(router, body)
 
 
+OTHER = ponytail.prefix_block_hashes(list(range(5000, 5200)), BS, max_cached_tokens=199)  # 12 blocks
+
+
 def test_a_request_that_would_evict_more_than_it_gains_goes_elsewhere(clock):
     """a holds 1 block of the prompt but 8 of its 10 free blocks hold cached prefixes: the 7 new
-    blocks would evict 5 of them. b has the same free blocks, none of them cached."""
+    blocks would evict 5 of them. b has the same free blocks, none of them cached. a's held blocks
+    are 1 of the prompt + 3 of another prompt that requests have hit, of 4: reuse share 3/4."""
     router = make_router(clock)
-    a = publish(FakeReplica("a").report(10, T0, total_blocks=64), HASHES[:1], cached_blocks=8)
+    a = publish(FakeReplica("a").report(10, T0, total_blocks=64), [*HASHES[:1], *OTHER[:3]], cached_blocks=8)
     b = publish(FakeReplica("b").report(10, T0, total_blocks=64), [], cached_blocks=0)
 
     async def body():
         router.update_replicas([a, b])
         from deployments.router import read_report
 
+        router.index(a).mark_reused(OTHER[:3])
+        assert router.index(a).reuse_share == 0.75
         pr = prefixed()
-        assert router._placement(a, read_report(a.stats), 10, 120, pr) == Placement(need=7, affinity=2 * (1 - 5) / 8)
+        assert router._placement(a, read_report(a.stats), 10, 120, pr) == Placement(
+            need=7, affinity=2 * (1 - 5 * 0.75) / 8)
         assert router._placement(b, read_report(b.stats), 10, 120, pr) == Placement(need=8, affinity=0.0)
         assert await ranking(router, [a, b], pr) == ["b", "a"]
+
+    run(router, body)
+
+
+def test_evicting_blocks_no_request_has_hit_costs_nothing(clock):
+    """A random mix: every cached block is a one-off. A request with no hits anywhere ranks by
+    pool use and load alone (as KVBlockRouter), even where its blocks would evict cached ones."""
+    router = make_router(clock)
+    # a served more before (its free blocks are cached one-offs) but runs less now
+    a = publish(FakeReplica("a").report(10, T0, running=1, total_blocks=64), OTHER[:8], cached_blocks=8)
+    b = publish(FakeReplica("b").report(10, T0, running=3, total_blocks=64), [], cached_blocks=0)
+
+    async def body():
+        router.update_replicas([a, b])
+        from deployments.router import read_report
+
+        pr = prefixed()
+        assert router.index(a).reuse_share == 0.0
+        assert router._placement(a, read_report(a.stats), 10, 120, pr) == Placement(need=8, affinity=0.0)
+        assert await ranking(router, [a, b], pr) == ["a", "b"]
+        # the same blocks once hit by requests: evicting 6 of them now outweighs the load
+        router.index(a).mark_reused(OTHER[:8])
+        assert router._placement(a, read_report(a.stats), 10, 120, pr) == Placement(need=8, affinity=2 * -6 / 8)
+        assert await ranking(router, [a, b], prefixed()) == ["b", "a"]
+
+    run(router, body)
+
+
+def test_hits_of_routed_requests_mark_blocks_reused_until_the_replica_drops_them(clock):
+    router = make_router(clock)
+    a = publish(FakeReplica("a").report(40, T0, total_blocks=64), HASHES[:4])
+
+    async def body():
+        router.update_replicas([a])
+        assert router.index(a).reuse_share == 0.0
+        assert await router._choose_replica_for_request(prefixed()) is a
+        index = router.index(a)
+        assert len(index) == 6 and index.reuse_share == 4 / 6  # its 4 hits; its 2 new blocks not yet
+        assert await router._choose_replica_for_request(prefixed()) is a
+        assert index.reuse_share == 1.0
+        a.stats.update(prefix_seq=5, prefix_events=[(HASHES[5], False)])  # the engine evicted the last
+        assert router.index(a).reuse_share == 1.0 and len(router.index(a)) == 5
 
     run(router, body)
 
