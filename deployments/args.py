@@ -86,6 +86,9 @@ class AppArgs(BaseModel):
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
+    max_deltas_per_s: float | None = Field(None, description="messages all of a replica's streams send per "
+                                           "second at most: with more streams open each merges over streams / "
+                                           "this (never less than stream_interval_s); unset: no bound")
     api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
                                 f"{API_KEY_ENV} from the environment, else no key")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
@@ -100,7 +103,7 @@ class AppArgs(BaseModel):
 
     # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
-                                                "block_size", "compile_model", "stream_interval_s",
+                                                "block_size", "compile_model", "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
@@ -150,6 +153,13 @@ class AppArgs(BaseModel):
         if not is_seconds(value, most=1):
             raise ValueError(f"stream_interval_s={value:g} is not supported; allowed: seconds from 0 to 1 "
                              "(0: a message per engine step)")
+        return value
+
+    @field_validator("max_deltas_per_s")
+    @classmethod
+    def _max_deltas(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"max_deltas_per_s={value:g} is not supported; allowed: a number > 0, or null (no bound)")
         return value
 
     @field_validator("max_num_seqs", "block_size", "max_queued_requests", "max_model_len", "ingress_replicas")

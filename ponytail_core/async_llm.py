@@ -11,7 +11,10 @@ that falls behind gets what waits for it as one delta (as vLLM's output collecto
 a slow stream costs one hand-over per read, not one per token. With `stream_interval_s` a stream
 also waits that long after each delta but the first, so a server hands its transport (Ray, HTTP)
 one message per interval instead of one per token (Ray Serve LLM batches every 50 ms the same
-way); the first token and the finished delta are never held back.
+way); the first token and the finished delta are never held back. `max_deltas_per_s` bounds the
+messages of all streams together: with many streams open each waits streams / max_deltas_per_s
+(never less than stream_interval_s), so a server's per-message work stops growing with the
+number of streams (it shares the process, and the GIL, with the engine's host work).
 """
 
 from __future__ import annotations
@@ -79,12 +82,16 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, llm: LLM | LLMEngine, stream_interval_s: float = 0.0):
+    def __init__(self, llm: LLM | LLMEngine, stream_interval_s: float = 0.0, max_deltas_per_s: float | None = None):
         if not is_seconds(stream_interval_s):
             raise ConfigError(f"stream_interval_s={stream_interval_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: a delta per engine step)")
+        if max_deltas_per_s is not None and not (is_seconds(max_deltas_per_s) and max_deltas_per_s > 0):
+            raise ConfigError(f"max_deltas_per_s={max_deltas_per_s!r} is not supported; allowed: a number > 0, "
+                              "or None (no bound)")
         self.engine = llm.engine if isinstance(llm, LLM) else llm
         self.stream_interval_s = float(stream_interval_s)
+        self.max_deltas_per_s = None if max_deltas_per_s is None else float(max_deltas_per_s)
         self._incoming: deque[Request] = deque()  # prepared on the loop, enqueued by the worker
         self._aborts: deque[str] = deque()
         self._forget: deque[str] = deque()
@@ -93,6 +100,13 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self.num_steps = 0  # engine steps driven so far
         self.step_seconds = 0.0  # their time in the worker thread: with the wall clock, how busy the engine is
+
+    def stream_interval(self) -> float:
+        """Seconds a stream waits after a delta: stream_interval_s, or longer with more streams open
+        than max_deltas_per_s x stream_interval_s."""
+        if self.max_deltas_per_s is None:
+            return self.stream_interval_s
+        return max(self.stream_interval_s, len(self._streams) / self.max_deltas_per_s)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -114,8 +128,8 @@ class AsyncLLM:
             while not finished:
                 if error is not None:
                     raise error
-                if last_yield is not None and self.stream_interval_s:
-                    await stream.wait_until(last_yield + self.stream_interval_s)
+                if last_yield is not None and (interval := self.stream_interval()):
+                    await stream.wait_until(last_yield + interval)
                 item, stream.held = stream.held or await queue.get(), None
                 if isinstance(item, BaseException):
                     raise item

@@ -158,7 +158,7 @@ def _flag(name: str) -> str:
 
 
 def _metavar(name: str, annotation: object) -> str:
-    if name.endswith("_s"):
+    if name.endswith("_s") and not name.endswith("_per_s"):
         return "SECONDS"
     return {int: "N", int | None: "N", float: "X", float | None: "X"}.get(annotation, "VALUE")
 

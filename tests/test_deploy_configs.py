@@ -42,6 +42,8 @@ def test_app_args_are_checked():
         AppArgs(stream_interval_s=5)
     with pytest.raises(ValueError, match=r"ingress_replicas=0 is not supported; allowed: an integer >= 1"):
         AppArgs(ingress_replicas=0)
+    with pytest.raises(ValueError, match=r"max_deltas_per_s=-5 is not supported; allowed: a number > 0, or null"):
+        AppArgs(max_deltas_per_s=-5)
 
 
 def test_the_ingress_scales_to_ingress_replicas():
@@ -91,9 +93,10 @@ def test_engine_arguments_reach_the_replica_constructor():
     from deployments.app import AppArgs, engine_arguments
     from deployments.replica import EngineReplica
 
-    args = engine_arguments(AppArgs(compile_model=True, max_num_seqs=8, stream_interval_s=0.02), gpu=False)
+    args = engine_arguments(AppArgs(compile_model=True, max_num_seqs=8, stream_interval_s=0.02, max_deltas_per_s=500),
+                            gpu=False)
     assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
-    assert args["stream_interval_s"] == 0.02
+    assert args["stream_interval_s"] == 0.02 and args["max_deltas_per_s"] == 500
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
     assert args["model_id"] is None and args["model_alias"] == "SmolLM2-135M-Instruct"
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)

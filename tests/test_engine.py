@@ -288,6 +288,36 @@ def test_a_stream_interval_merges_deltas_but_never_holds_the_first_token_or_the_
 def test_a_stream_interval_is_checked():
     with pytest.raises(ConfigError, match=r"stream_interval_s=-0.1 is not supported; allowed: seconds >= 0"):
         ponytail.AsyncLLM(object.__new__(ponytail.LLM), stream_interval_s=-0.1)
+    with pytest.raises(ConfigError, match=r"max_deltas_per_s=0 is not supported; allowed: a number > 0, or None"):
+        ponytail.AsyncLLM(object.__new__(ponytail.LLM), max_deltas_per_s=0)
+
+
+def test_a_delta_rate_bound_stretches_every_streams_interval_with_more_streams_open(small_model):
+    """4 streams at 0.1 deltas/s in all: each waits 40 s after a delta (stream_interval_s is only
+    the floor), so each gets its first token alone and the rest as one delta when it finishes."""
+    llm = make_llm(small_model)
+    engine = ponytail.AsyncLLM(llm, stream_interval_s=0.01, max_deltas_per_s=0.1)
+    assert engine.stream_interval() == 0.01  # no stream open: the floor
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    async def one(prompt, intervals):
+        deltas = []
+        async for delta in engine.generate(prompt, params):
+            deltas.append(delta)
+            intervals.append(engine.stream_interval())
+        return deltas
+
+    async def main():
+        intervals = []
+        streams = await asyncio.gather(*(one(p, intervals) for p in random_prompts(4, seed=17)))
+        return streams, intervals
+
+    streams, intervals = asyncio.run(asyncio.wait_for(main(), 30))
+    assert max(intervals) == 40.0
+    for deltas in streams:
+        assert len(deltas) == 2 and len(deltas[0].new_token_ids) == 1 and deltas[1].finished
+        assert len(deltas[0].new_token_ids) + len(deltas[1].new_token_ids) == 12
+    assert llm.engine.stats().used_blocks == 0
 
 
 def test_an_abort_ends_a_stream_waiting_out_its_interval(small_model):
