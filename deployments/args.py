@@ -86,9 +86,9 @@ class AppArgs(BaseModel):
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
-    max_deltas_per_s: float | None = Field(None, description="messages all of a replica's streams send per "
+    max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
                                            "second at most: with more streams open each merges over streams / "
-                                           "this (never less than stream_interval_s); unset: no bound")
+                                           "this (never less than stream_interval_s); null: no bound")
     api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
                                 f"{API_KEY_ENV} from the environment, else no key")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
