@@ -12,9 +12,10 @@ a slow stream costs one hand-over per read, not one per token. With `stream_inte
 also waits that long after each delta but the first, so a server hands its transport (Ray, HTTP)
 one message per interval instead of one per token (Ray Serve LLM batches every 50 ms the same
 way); the first token and the finished delta are never held back. `max_deltas_per_s` bounds the
-messages of all streams together: with many streams open each waits streams / max_deltas_per_s
-(never less than stream_interval_s), so a server's per-message work stops growing with the
-number of streams (it shares the process, and the GIL, with the engine's host work).
+messages of all streams together: with many streams past their first delta each waits streams /
+max_deltas_per_s (never less than stream_interval_s; queued requests send nothing and do not
+count), so a server's per-message work stops growing with the number of streams (it shares the
+process, and the GIL, with the engine's host work).
 """
 
 from __future__ import annotations
@@ -96,17 +97,18 @@ class AsyncLLM:
         self._aborts: deque[str] = deque()
         self._forget: deque[str] = deque()
         self._streams: dict[str, _Stream] = {}
+        self._num_streaming = 0  # streams past their first delta: the ones max_deltas_per_s shares out
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self.num_steps = 0  # engine steps driven so far
         self.step_seconds = 0.0  # their time in the worker thread: with the wall clock, how busy the engine is
 
     def stream_interval(self) -> float:
-        """Seconds a stream waits after a delta: stream_interval_s, or longer with more streams open
-        than max_deltas_per_s x stream_interval_s."""
+        """Seconds a stream waits after a delta: stream_interval_s, or longer with more streams past
+        their first delta than max_deltas_per_s x stream_interval_s."""
         if self.max_deltas_per_s is None:
             return self.stream_interval_s
-        return max(self.stream_interval_s, len(self._streams) / self.max_deltas_per_s)
+        return max(self.stream_interval_s, self._num_streaming / self.max_deltas_per_s)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
@@ -124,6 +126,7 @@ class AsyncLLM:
         finished = False
         error: BaseException | None = None  # met while merging: raised after the merged delta
         last_yield: float | None = None
+        streaming = False  # counted in _num_streaming
         try:
             while not finished:
                 if error is not None:
@@ -143,9 +146,14 @@ class AsyncLLM:
                         break
                     item = item.merged_with(later)
                 finished = item.finished
+                if not streaming:
+                    streaming = True
+                    self._num_streaming += 1
                 yield item
                 last_yield = asyncio.get_running_loop().time()
         finally:
+            if streaming:
+                self._num_streaming -= 1
             self._streams.pop(request.request_id, None)
             if not finished:
                 self._aborts.append(request.request_id)

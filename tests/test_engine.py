@@ -313,7 +313,7 @@ def test_a_delta_rate_bound_stretches_every_streams_interval_with_more_streams_o
         return streams, intervals
 
     streams, intervals = asyncio.run(asyncio.wait_for(main(), 30))
-    assert max(intervals) == 40.0
+    assert max(intervals) == 40.0 and engine.stream_interval() == 0.01  # all ended: none counts
     for deltas in streams:
         assert len(deltas) == 2 and len(deltas[0].new_token_ids) == 1 and deltas[1].finished
         assert len(deltas[0].new_token_ids) + len(deltas[1].new_token_ids) == 12
