@@ -89,6 +89,9 @@ class AppArgs(BaseModel):
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
                                            "second at most: with more streams open each merges over streams / "
                                            "this (never less than stream_interval_s); null: no bound")
+    keep_prefix_cache: bool = Field(True, description="while requests run, a replica's KV pool grows within its "
+                                    "budget rather than evict cached prompt prefixes (a chat's next turn finds its "
+                                    "history); they go back with idle memory after 30 s without requests")
     api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
                                 f"{API_KEY_ENV} from the environment, else no key")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
@@ -104,7 +107,8 @@ class AppArgs(BaseModel):
     # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
                                                 "block_size", "compile_model", "stream_interval_s", "max_deltas_per_s",
-                                                "gpu_memory_utilization", "max_prompt_tokens")
+                                                "gpu_memory_utilization", "max_prompt_tokens",
+                                                "keep_prefix_cache")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 

@@ -31,14 +31,15 @@ class EngineReplica:
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
                  model_id: str | None = None, compile_model: bool | None = None, stream_interval_s: float = 0.0,
                  gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
-                 model_alias: str | None = None, max_deltas_per_s: float | None = None):
+                 model_alias: str | None = None, max_deltas_per_s: float | None = None,
+                 keep_prefix_cache: bool = True):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
         short name, e.g. SmolLM2-135M-Instruct)."""
         self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                 max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
-                                gpu_memory_utilization=gpu_memory_utilization)
+                                gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache)
         # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
         # that sends them shares the GIL with the engine's step thread.
         self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s,

@@ -16,6 +16,7 @@ from .engine.stats import EngineStats
 from .models.loader import load_model
 from .runner.compile import can_compile
 from .engine.request import RequestOutput
+from .kv.paged_cache import PagedKVCache
 from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
 from .utils.units import format_bytes, is_seconds, parse_bytes
@@ -53,6 +54,10 @@ class LLM:
     over cached context too (engine/chunk_cost.py), so the last chunks of a long prompt are
     smaller and no step beside running streams is much slower than the first; None: on for the
     CPU, where attention over a long context is a large part of a step (docs/engine.md).
+    keep_prefix_cache: while requests run, the KV pool grows within its budget rather than evict
+    cached prompt prefixes (a chat's next turn, a document asked about again finds them); they go
+    back with the rest of the spare memory after kv_release_after_s without requests. Off (the
+    default offline): the pool holds what running requests need and caches prefixes in what is left.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -61,7 +66,7 @@ class LLM:
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
-                 context_aware_chunks: bool | None = None):
+                 context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False):
         loaded_here = model is None or isinstance(model, str)
         if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -98,6 +103,8 @@ class LLM:
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
+        if not isinstance(keep_prefix_cache, bool):
+            raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
         memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
@@ -105,11 +112,12 @@ class LLM:
         # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
         headroom = (_step_headroom(text_config, max_num_batched_tokens, max_num_seqs, config.dtype_size)
                     if device.type == "cuda" else 0)
-        self.engine = LLMEngine(model, tokenizer, config, max_num_seqs=max_num_seqs,
+        cache = PagedKVCache(config, release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom,
+                             enable_prefix_caching=enable_prefix_caching,
+                             keep_prefixes=keep_prefix_cache and enable_prefix_caching)
+        self.engine = LLMEngine(model, tokenizer, cache, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                async_scheduling=async_scheduling, enable_prefix_caching=enable_prefix_caching,
-                                kv_release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom,
+                                cuda_graphs=cuda_graphs, compile_model=compile_model, async_scheduling=async_scheduling,
                                 context_cost=context_cost(text_config) if context_aware_chunks else 0.0)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)

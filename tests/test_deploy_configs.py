@@ -97,6 +97,8 @@ def test_engine_arguments_reach_the_replica_constructor():
                             gpu=False)
     assert args["compile_model"] is True and args["max_num_seqs"] == 8 and args["device"] == "cpu"
     assert args["stream_interval_s"] == 0.02 and args["max_deltas_per_s"] == 500
+    assert args["keep_prefix_cache"] is True  # a replica keeps its conversations' prefixes by default
+    assert engine_arguments(AppArgs(keep_prefix_cache=False), gpu=False)["keep_prefix_cache"] is False
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
     assert args["model_id"] is None and args["model_alias"] == "SmolLM2-135M-Instruct"
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)

@@ -338,8 +338,9 @@ def test_an_abort_ends_a_stream_waiting_out_its_interval(small_model):
     assert llm.engine.stats().used_blocks == 0
 
 
-def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay(small_model):
-    llm = make_llm(small_model, kv_release_after_s=0.5)
+@pytest.mark.parametrize("keep_prefix_cache", [False, True])
+def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay(small_model, keep_prefix_cache):
+    llm = make_llm(small_model, kv_release_after_s=0.5, keep_prefix_cache=keep_prefix_cache)
     engine = ponytail.AsyncLLM(llm)
     cache = llm.engine.cache
     prompts = random_prompts(4, seed=16)
@@ -359,6 +360,25 @@ def test_an_idle_async_engine_gives_spare_kv_memory_back_after_the_release_delay
     assert grown > 1 and held == grown and after < grown
     assert cache.spare_chunks(cache.KEEP_FREE_CHUNKS * cache.chunk_blocks) == 0
     assert cache.invariants() == []
+
+
+def test_keep_prefix_cache_finds_an_earlier_prompt_after_others_filled_the_pool(small_model):
+    llm = make_llm(small_model, keep_prefix_cache=True)
+    assert llm.engine.cache.keep_prefixes
+    first, *others = random_prompts(9, seed=21, low=100, high=120)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    llm.generate([first], params)
+    for prompt in others:  # one at a time: each would take the first prompt's blocks without the setting
+        llm.generate([prompt], params)
+    before = llm.engine.stats().prefix_cache_hits
+    llm.generate([first], params)
+    assert llm.engine.stats().prefix_cache_hits - before == (len(first) - 1) // 4 * 4
+    assert llm.engine.cache.invariants() == []
+
+
+def test_keep_prefix_cache_is_checked(small_model):
+    with pytest.raises(ConfigError, match=r"keep_prefix_cache='yes' is not supported; allowed: True or False"):
+        ponytail.LLM(small_model[0], kv_cache_memory="4MiB", keep_prefix_cache="yes")
 
 
 def test_kv_release_after_s_is_checked(small_model):

@@ -153,3 +153,62 @@ def test_prefix_caching_and_release_delay_are_constructor_settings():
     without = make_cache(prefix_caching=False)
     fill(without, 1, 8)
     assert without.allocate(2, [1000 + i for i in range(8)] + [7]).num_cached_tokens == 0
+
+
+def keeping_cache(keep: bool, max_blocks=64, release_after_s=10.0) -> PagedKVCache:
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=4, dtype="float32", max_batch_size=1,
+                         max_seq_len=max_blocks * 4, block_size=4, chunk_blocks=8, device="cpu")
+    return PagedKVCache(config, release_after_s=release_after_s, keep_prefixes=keep)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_keep_prefixes_grows_the_pool_rather_than_evict_a_finished_prompt(keep):
+    cache = keeping_cache(keep)
+    k = fill(cache, 1, 4 * 8)  # one chunk of blocks, all cached once sequence 1 ends
+    cache.free(1)
+    fill(cache, 2, 4 * 8)  # another prompt as long
+    assert cache.num_chunks == (2 if keep else 1)
+    again = cache.allocate(3, [1000 + i for i in range(32)] + [7])
+    assert again.num_cached_tokens == (32 if keep else 0)
+    if keep:  # the hit reads the first prompt's K/V back
+        assert torch.equal(cache.read(3)[:, 0, :32], k)
+    assert cache.invariants() == []
+
+
+def test_keep_prefixes_evicts_once_the_budget_is_reached():
+    cache = keeping_cache(True, max_blocks=16)  # two chunks
+    fill(cache, 1, 4 * 8)
+    cache.free(1)
+    fill(cache, 2, 4 * 8)  # grows into the second chunk
+    cache.free(2)
+    fill(cache, 3, 4 * 12)  # no chunk left to grow by: 12 of the 16 cached blocks are evicted
+    assert cache.num_chunks == 2 and cache.allocator.num_evictable == 4
+    cache.free(3)
+    assert cache.allocate(4, [1000 + i for i in range(8)] + [7]).num_cached_tokens == 0  # least recent went first
+    assert cache.invariants() == []
+
+
+def test_keep_prefixes_holds_cached_blocks_until_the_pool_is_idle_for_release_after_s():
+    import time
+    cache = keeping_cache(True, release_after_s=10.0)
+    fill(cache, 1, 4 * 30)  # 30 blocks: 4 chunks
+    cache.free(1)
+    fill(cache, 2, 4)  # a live sequence; the 30 cached blocks stay
+    t = time.monotonic()
+    assert cache.maintain(now=t).chunks_released == 0
+    assert cache.maintain(now=t + 100).chunks_released == 0 and cache.num_chunks == 5  # busy all along
+    cache.free(2)  # idle from here
+    idle = time.monotonic()
+    assert cache.maintain(now=idle + 5).chunks_released == 0
+    assert cache.allocator.num_evictable == 31
+    assert 4.9 < cache.seconds_until_release(now=idle + 5) <= 5.0  # an idle engine waits this long, then maintains
+    assert cache.maintain(now=idle + 10.5).chunks_released == 4 and cache.num_chunks == 1  # one chunk of headroom
+    assert cache.allocator.num_evictable == 8 and cache.invariants() == []
+
+
+def test_without_keep_prefixes_idle_cached_blocks_are_spare():
+    cache = keeping_cache(False, release_after_s=10.0)
+    fill(cache, 1, 4 * 30)
+    cache.free(1)
+    assert cache.seconds_until_release(now=100.0) == 10.0
+    assert cache.maintain(now=110.0).chunks_released == 3 and cache.num_chunks == 1

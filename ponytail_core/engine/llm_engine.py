@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv.config import CacheConfig
 from .detokenizer import IncrementalDetokenizer, make_detokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
@@ -71,21 +70,17 @@ class _Launched:
 class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
-    Outputs are the same as without it. enable_prefix_caching and kv_release_after_s go to the
-    pool (PagedKVCache's), context_cost to the scheduler (chunk_cost.py; 0: tokens count alike)."""
+    Outputs are the same as without it. `cache` is the KV pool (LLM builds it with its policy),
+    context_cost goes to the scheduler (chunk_cost.py; 0: tokens count alike)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
-    def __init__(self, model, tokenizer, cache_config: CacheConfig, *, max_num_seqs: int,
+    def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
-                 compile_model: bool = False, async_scheduling: bool = False,
-                 enable_prefix_caching: bool = True, kv_release_after_s: float = 0.0,
-                 device_headroom_bytes: int = 0, context_cost: float = 0.0):
+                 compile_model: bool = False, async_scheduling: bool = False, context_cost: float = 0.0):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
-        self.cache = PagedKVCache(cache_config, release_after_s=kv_release_after_s,
-                                  enable_prefix_caching=enable_prefix_caching,
-                                  device_headroom_bytes=device_headroom_bytes)
+        self.cache = cache
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model)

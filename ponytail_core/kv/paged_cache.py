@@ -60,16 +60,22 @@ class PagedKVCache:
     GROW_RETRY_S = 1.0  # after the device refused a chunk, growth waits this long before trying again
 
     def __init__(self, config: CacheConfig, initial_chunks: int = 1, release_after_s: float = 0.0,
-                 enable_prefix_caching: bool = True, device_headroom_bytes: int = 0):
+                 enable_prefix_caching: bool = True, device_headroom_bytes: int = 0, keep_prefixes: bool = False):
         """enable_prefix_caching: full blocks serve later sequences with the same prefix (off for
         callers that address sequences by position, not content, like the transformers plug-in).
         device_headroom_bytes: CUDA memory growth must leave free for the model's steps
-        (activations, workspaces), so the pool never starves the forward pass; 0: no check."""
+        (activations, workspaces), so the pool never starves the forward pass; 0: no check.
+        keep_prefixes: grow within the budget rather than evict cached prefix blocks, and count
+        them as held when giving memory back, until the pool has had no live sequence for
+        release_after_s; then they go back with the rest. Off: the pool stays at what live
+        sequences need and cached prefixes fill only its leftover blocks."""
         self.config = config
         # maintain() gives chunks back only once the pool has had them spare this long: a server
         # whose bursts come seconds apart keeps its working size instead of regrowing every burst.
         self.release_after_s = release_after_s
         self._spare_since: float | None = None  # when maintain() first saw chunks to spare, in a row
+        self.keep_prefixes = keep_prefixes
+        self._busy_at = -float("inf")  # time.monotonic() when maintain() last saw a live sequence
         chunk_blocks = config.pool_chunk_blocks
         self.max_chunks = config.max_num_blocks // chunk_blocks
         self.storage = PagedKVStorage(config, chunk_blocks, self.max_chunks)
@@ -86,6 +92,8 @@ class PagedKVCache:
     # ------------------------------------------------------------ sequences
     def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
         """Blocks for a new sequence's tokens; `num_cached_tokens` of them are already stored."""
+        if self.keep_prefixes:
+            self._grow_before_evicting(cdiv(len(token_ids), self.config.block_size))
         result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
         if isinstance(result, NoRoom) and self._grow_for(result):
             result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
@@ -93,6 +101,8 @@ class PagedKVCache:
 
     def append(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
         """Slots for tokens after the sequence's end; copy-on-write runs before this returns."""
+        if self.keep_prefixes and self.allocator.num_evictable:
+            self._grow_before_evicting(self.allocator.blocks_needed_to_append(seq_id, len(token_ids)))
         result = self.allocator.append(seq_id, token_ids)
         if isinstance(result, NoRoom) and self._grow_for(result):
             result = self.allocator.append(seq_id, token_ids)
@@ -116,6 +126,8 @@ class PagedKVCache:
 
     def free(self, seq_id) -> None:
         self.allocator.free(seq_id)
+        if self.keep_prefixes:
+            self._busy_at = time.monotonic()  # an idle spell starts at the last sequence's end at the latest
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, slots, layer_start: int = 0) -> None:
         """Store keys/values [layers, tokens, kv_heads, head_dim] at their slots (-1 = skip)."""
@@ -266,14 +278,26 @@ class PagedKVCache:
         """Free blocks maintain() keeps when it releases chunks."""
         return self.KEEP_FREE_CHUNKS * self.chunk_blocks
 
+    def _kept_blocks(self, now: float) -> int:
+        """Blocks maintain() keeps besides live ones and headroom: with keep_prefixes, the cached
+        prefixes, until the pool has had no live sequence for release_after_s."""
+        if self.keep_prefixes and (self.allocator.num_used or now - self._busy_at < self.release_after_s):
+            return self.allocator.num_evictable
+        return 0
+
     def seconds_until_release(self, now: float | None = None) -> float | None:
         """How long until maintain() would give spare chunks back (the count starts now if it had
         not started); None when no chunk is spare."""
-        if not self.spare_chunks(self._headroom_blocks):
-            return None
         now = time.monotonic() if now is None else now
+        kept = self._kept_blocks(now)
+        if not self.spare_chunks(self._headroom_blocks + kept):
+            if kept and not self.allocator.num_used and self.spare_chunks(self._headroom_blocks):
+                return self._busy_at + self.release_after_s - now  # idle: the cached prefixes' turn comes then
+            return None
         if self._spare_since is None:
             self._spare_since = now
+        if self.keep_prefixes and not self.allocator.num_used:  # idle since _busy_at: all of it spare since
+            self._spare_since = min(self._spare_since, self._busy_at)
         return max(0.0, self._spare_since + self.release_after_s - now)
 
     def maintain(self, reserve_blocks: int | None = None, now: float | None = None) -> MaintenanceReport:
@@ -286,8 +310,12 @@ class PagedKVCache:
         so a tight reserve keeps the pool's peak close to what live tokens need. Spare chunks go
         back only after `release_after_s` of being spare at every call (now: time.monotonic())."""
         added = 0
-        low = self.GROW_WHEN_FREE_BELOW * self.allocator.num_blocks if reserve_blocks is None else reserve_blocks
-        if self.allocator.num_free < low:
+        a = self.allocator
+        now = time.monotonic() if now is None else now
+        if a.num_used:
+            self._busy_at = now
+        low = self.GROW_WHEN_FREE_BELOW * a.num_blocks if reserve_blocks is None else reserve_blocks
+        if a.num_free - (a.num_evictable if self.keep_prefixes else 0) < low:
             added = self.grow(1)
         defrag = None
         if self.fragmentation >= self.config.defrag_threshold and self.fragmentation > 0:
@@ -295,7 +323,7 @@ class PagedKVCache:
         released = 0
         wait = None if added else self.seconds_until_release(now)
         if wait == 0:
-            released = self.shrink(keep_free_blocks=self._headroom_blocks)
+            released = self.shrink(keep_free_blocks=self._headroom_blocks + self._kept_blocks(now))
         if wait is None or released:
             self._spare_since = None  # nothing spare (or no longer): the next spare spell counts from 0
         return MaintenanceReport(chunks_added=added, defrag=defrag, chunks_released=released)
@@ -326,6 +354,12 @@ class PagedKVCache:
         if self.num_chunks + chunks > self.max_chunks:
             return False
         return self.grow(chunks) == chunks
+
+    def _grow_before_evicting(self, needed: int) -> None:
+        """keep_prefixes: blocks for `needed` new ones from the budget, not from cached prefixes."""
+        empty = self.allocator.num_free - self.allocator.num_evictable
+        if self.allocator.num_evictable and empty < needed:
+            self.grow(cdiv(needed - empty, self.chunk_blocks))
 
     def _slot_tensor(self, slots) -> torch.Tensor:
         if isinstance(slots, torch.Tensor):
