@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from typing import Any
@@ -49,6 +50,8 @@ class PrefixAffinityRouter(KVBlockRouter):
     Prompts sent as token ids are hashed as they are. Chat messages and text are tokenized here
     with the engine's tokenizer, once per request (loaded when Ray builds the router, `model` kwarg:
     None for the default model; where it cannot be loaded they route on blocks and load alone).
+    Long ones (THREAD_TOKENS and up, by the request's own guess) in a worker thread, as the replica
+    does: this event loop routes every request of the process, and a 4 MB prompt takes seconds.
 
         RequestRouterConfig(request_router_class="deployments.prefix_router:PrefixAffinityRouter",
                             request_router_kwargs={"prefix_weight": 2.0, "model": None})
@@ -57,7 +60,12 @@ class PrefixAffinityRouter(KVBlockRouter):
     PREFIX_WEIGHT = 2.0
     """How much a fully cached request is worth, in units of the score's pool-share and load terms."""
 
+    THREAD_TOKENS = 1024
+    """Prompts guessed at this many tokens or more are tokenized in a worker thread (the fast
+    tokenizer releases the GIL); shorter ones take less than the hand-over."""
+
     _HASHES = "ponytail_prompt_hashes"  # attribute on a request's routing_context: (block_size, hashes, tokens)
+    _IDS = "ponytail_prompt_ids"  # attribute on a request's routing_context: (token ids or None,)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,6 +94,24 @@ class PrefixAffinityRouter(KVBlockRouter):
             self._load_tokenizer()
 
     # ------------------------------------------------------------------ the prompt
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        """KVBlockRouter's ranking, a long prompt tokenized first off this event loop."""
+        request = _generate_request(pending_request)
+        if request is not None and self._long(request) and getattr(pending_request.routing_context, self._IDS, None) is None:
+            ids = await asyncio.to_thread(self._token_ids, request)
+            setattr(pending_request.routing_context, self._IDS, (ids,))
+        return await super().choose_replicas(candidate_replicas, pending_request)
+
+    def _long(self, request: GenerateRequest) -> bool:
+        """Text or messages this router tokenizes in a worker thread."""
+        if self.tokenizer is None or (isinstance(request.prompt, list) and request.messages is None):
+            return False
+        try:
+            return request.num_prompt_tokens_hint() >= self.THREAD_TOKENS
+        except (AttributeError, TypeError):  # malformed messages: routed on size alone, the replica says why
+            return False
+
     def prompt_hashes(self, pending_request: PendingRequest | None, block_size: int) -> tuple[list[int], int] | None:
         """(the prompt's block hashes as the engine chains them, its exact tokens + max_tokens);
         None when the prompt's token ids are not known (not a generate call, tokenizer not loaded)."""
@@ -95,11 +121,11 @@ class PrefixAffinityRouter(KVBlockRouter):
         cached = getattr(context, self._HASHES, None)
         if cached is not None and cached[0] == block_size:
             return cached[1], cached[2]
-        args = pending_request.args
-        request = args[0] if args else None
-        if not isinstance(request, GenerateRequest):
+        request = _generate_request(pending_request)
+        if request is None:
             return None
-        ids = self._token_ids(request)
+        known = getattr(context, self._IDS, None)
+        ids = known[0] if known is not None else self._token_ids(request)
         tokens = request_tokens(pending_request)
         if ids is None or tokens is None:
             return None
@@ -177,6 +203,11 @@ class PrefixAffinityRouter(KVBlockRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._indexes.pop(replica_id, None)
+
+
+def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+    args = pending_request.args if pending_request is not None else None
+    return args[0] if args and isinstance(args[0], GenerateRequest) else None
 
 
 def _cached_blocks(stats: Any) -> int:

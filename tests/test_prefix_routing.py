@@ -341,3 +341,39 @@ async def ranking(router, replicas, pr: PendingRequest) -> list[str]:
     ranks = await router.choose_replicas(replicas, pr)
     assert all(len(rank) == 1 for rank in ranks)
     return [rank[0].replica_id.unique_id for rank in ranks]
+
+
+def test_a_long_chat_prompt_is_tokenized_off_the_event_loop_while_others_route(clock):
+    import threading
+
+    release = threading.Event()
+
+    class SlowTemplate:
+        threads: list[int] = []
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+            SlowTemplate.threads.append(threading.get_ident())
+            if len(messages[0]["content"]) >= 3 * PrefixAffinityRouter.THREAD_TOKENS:
+                assert release.wait(10)  # a long prompt: seconds of tokenizing
+            return [ord(c) % 500 for m in messages for c in m["content"]][:200] + [1, 2]
+
+    router = make_router(clock, tokenizer=SlowTemplate())
+    a = FakeReplica("a").report(400, T0, total_blocks=512)
+    b = FakeReplica("b").report(400, T0, total_blocks=512)
+    publish(a, HASHES)
+    publish(b, [])
+
+    async def body():
+        router.update_replicas([a, b])
+        loop_thread = threading.get_ident()
+        long = asyncio.ensure_future(ranking(router, [a, b], chat([{"role": "user", "content": "x" * 4000}])))
+        await asyncio.sleep(0.05)
+        assert not long.done()
+        assert await ranking(router, [a, b], prefixed()) == ["a", "b"]  # routed while the long one tokenizes
+        short = chat([{"role": "user", "content": "hi"}])
+        await ranking(router, [a, b], short)
+        release.set()
+        assert len(await long) == 2
+        assert SlowTemplate.threads[0] != loop_thread and SlowTemplate.threads[1] == loop_thread
+
+    run(router, body)
