@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from .errors import ConfigError
@@ -38,19 +38,25 @@ from .utils.units import is_seconds
 @dataclass(slots=True)
 class RequestDelta:
     """What one sample (`index`) of a request produced since the last delta; `output` is the
-    cumulative view of every sample. `finished`: the whole request is over (its last delta)."""
+    cumulative view of every sample as of this delta. `finished`: the whole request is over (its last delta)."""
 
     request_id: str
     delta_text: str
     new_token_ids: list[int]
     finished: bool
-    output: RequestOutput
+    snapshot: RequestOutput | Callable[[], RequestOutput]  # the output, or what builds it at the first read
     index: int = 0  # the sample (n > 1): output.outputs[index] while the request runs
+
+    @property
+    def output(self) -> RequestOutput:
+        if not isinstance(self.snapshot, RequestOutput):
+            self.snapshot = self.snapshot()
+        return self.snapshot
 
     def merged_with(self, later: RequestDelta) -> RequestDelta:
         """This delta followed by a later one of the same request and sample, as one."""
         return RequestDelta(self.request_id, self.delta_text + later.delta_text,
-                            self.new_token_ids + later.new_token_ids, later.finished, later.output, self.index)
+                            self.new_token_ids + later.new_token_ids, later.finished, later.snapshot, self.index)
 
 
 @dataclass(slots=True)
@@ -228,8 +234,10 @@ class AsyncLLM:
                 engine.forget(request_id)
         for out in engine.step():
             root = out.request.root  # its stream's request (n > 1: the parent of the samples)
-            delivered.append(RequestDelta(root.request_id, out.delta_text, out.new_token_ids, out.done,
-                                          engine.output(root), out.request.index))
+            # Built when read: a stream merging its deltas reads one per message, not one per step.
+            output = engine.output(root) if out.done or root.group is not None else engine.output_later(root)
+            delivered.append(RequestDelta(root.request_id, out.delta_text, out.new_token_ids, out.done, output,
+                                          out.request.index))
         return delivered, failed
 
     async def _run(self) -> None:

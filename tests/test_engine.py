@@ -102,6 +102,34 @@ def test_a_small_budget_forces_preemption_and_defragmentation_without_changing_o
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_output_built_later_is_the_output_at_its_step(small_model, async_scheduling):
+    import copy
+
+    # Tight memory (preemptions recompute) and logprobs on half the requests.
+    llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64,
+                   async_scheduling=async_scheduling)
+    engine = llm.engine
+    for i, prompt in enumerate(random_prompts(8, seed=3, low=20, high=40)):
+        engine.add_request(prompt, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True,
+                                                  logprobs=2 if i % 2 else None))
+    pairs = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not out.done:
+                pairs.append((engine.output_later(out.request), copy.deepcopy(engine.output(out.request))))
+    assert engine.stats().num_preemptions > 0 and len(pairs) > 100
+    for later, then in pairs:
+        built = later()
+        assert built.request_id == then.request_id and built.finished is then.finished is False
+        assert built.prompt_token_ids == then.prompt_token_ids and built.error == then.error
+        assert len(built.outputs) == 1
+        (b,), (t,) = built.outputs, then.outputs
+        assert (b.index, b.text, b.token_ids, b.finish_reason, b.cumulative_logprob) == \
+            (t.index, t.text, t.token_ids, t.finish_reason, t.cumulative_logprob)
+        assert b.logprobs == (None if t.logprobs is None else t.logprobs[:len(t.token_ids)])
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_engine_counts_promised_blocks_through_preemption(small_model, async_scheduling):
     # 64 blocks of 4 tokens; 8 sequences growing to ~70 tokens each need ~140: preemption is certain.
     llm = make_llm(small_model, kv_cache_memory=64 * 4 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=64,

@@ -18,6 +18,7 @@ same batch lose nothing but that wait; the device stays busy with the forward pa
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 import logging
 import time
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
 from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
-from .samples import fork_samples, request_output, start_group
+from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
@@ -367,6 +368,10 @@ class LLMEngine:
     def output(self, request: Request) -> RequestOutput:
         """A request's output so far: one completion per sample (see samples.returned for best_of)."""
         return request_output(request, lambda member: self._detokenizers[member.request_id].text)
+
+    def output_later(self, request: Request) -> Callable[[], RequestOutput]:
+        """output(request) as it stands now, built when called (a running request of one sample)."""
+        return deferred_output(request, self._detokenizers[request.request_id].text)
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request's bookkeeping once its output was delivered."""

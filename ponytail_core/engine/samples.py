@@ -92,6 +92,29 @@ def _fork(engine, parent: Request) -> list[Request]:
     return children
 
 
+def deferred_output(request: Request, text: str) -> Callable[[], RequestOutput]:
+    """request_output(request) as of now, for a running request of one sample, built only when
+    called: what changes is read now (counts, the text, scalars), its token and logprob lists
+    later, cut to those counts, as they only grow while it runs. A stream that merges its deltas
+    reads one output per message rather than the engine building one per row every step; the
+    call may come from another thread while the engine goes on."""
+    tokens = len(request.output_token_ids) - (request.pending_row is not None)
+    wants_logprobs = request.params.logprobs is not None
+    cumulative = request.cumulative_logprob if wants_logprobs else None
+    error = request.error
+
+    def build() -> RequestOutput:
+        logprobs = request.logprobs if wants_logprobs else None
+        if logprobs is not None:
+            logprobs = logprobs[:tokens]
+        completion = CompletionOutput(index=request.index, text=text, token_ids=request.output_token_ids[:tokens],
+                                      finish_reason=None, logprobs=logprobs, cumulative_logprob=cumulative)
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, outputs=[completion], finished=False,
+                             metrics=request.metrics, error=error, prompt_logprobs=request.prompt_logprobs)
+    return build
+
+
 def request_output(request: Request, text: Callable[[Request], str]) -> RequestOutput:
     """A request's output so far (text(sequence): its detokenized text): one completion per sample
     returned, indexed by sample, or once a ranked (best_of) request is done, by rank."""
