@@ -287,7 +287,8 @@ class PagedKVCache:
 
     def seconds_until_release(self, now: float | None = None) -> float | None:
         """How long until maintain() would give spare chunks back (the count starts now if it had
-        not started); None when no chunk is spare."""
+        not started); None when no chunk is spare. With keep_prefixes an idle pool's cached
+        prefixes are spare once it has been idle for release_after_s: the time until then."""
         now = time.monotonic() if now is None else now
         kept = self._kept_blocks(now)
         if not self.spare_chunks(self._headroom_blocks + kept):
