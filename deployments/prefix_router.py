@@ -98,9 +98,9 @@ class PrefixAffinityRouter(KVBlockRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """KVBlockRouter's ranking, a long prompt tokenized first off this event loop."""
         request = _generate_request(pending_request)
-        if request is not None and self._long(request) and getattr(pending_request.routing_context, self._IDS, None) is None:
-            ids = await asyncio.to_thread(self._token_ids, request)
-            setattr(pending_request.routing_context, self._IDS, (ids,))
+        context = pending_request.routing_context if request is not None else None
+        if request is not None and self._long(request) and getattr(context, self._IDS, None) is None:
+            setattr(context, self._IDS, (await asyncio.to_thread(self._token_ids, request),))
         return await super().choose_replicas(candidate_replicas, pending_request)
 
     def _long(self, request: GenerateRequest) -> bool:
