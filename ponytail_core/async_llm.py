@@ -38,7 +38,8 @@ from .utils.units import is_seconds
 @dataclass(slots=True)
 class RequestDelta:
     """What one sample (`index`) of a request produced since the last delta; `output` is the
-    cumulative view of every sample as of this delta. `finished`: the whole request is over (its last delta)."""
+    cumulative view of every sample as of this delta (built when first read). `finished`: the
+    whole request is over (its last delta)."""
 
     request_id: str
     delta_text: str
