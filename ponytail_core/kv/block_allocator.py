@@ -154,8 +154,11 @@ class BlockAllocator:
 
         A partial last block shared with a fork is first copied (copy-on-write).
         """
-        token_ids = list(token_ids)
         state = self._state(seq_id)
+        offset = state.num_tokens % self.block_size
+        if len(token_ids) == 1 and offset and self.blocks[state.block_ids[-1]].ref_count == 1:
+            return Allocation(slots=self._extend(state, token_ids), copies=[])  # a decode token in its own block
+        token_ids = list(token_ids)
         needed = self.blocks_needed_to_append(seq_id, len(token_ids))
         if needed > self.num_free:
             return NoRoom(needed=needed, free=self.num_free)
