@@ -101,7 +101,9 @@ class PagedKVCache:
 
     def append(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
         """Slots for tokens after the sequence's end; copy-on-write runs before this returns."""
-        if self.keep_prefixes and self.allocator.num_evictable:
+        # A decode token mostly lands in its own partial block: count blocks only when the empty
+        # ones might not cover the most it can take (its blocks, plus a copy-on-write one).
+        if self.keep_prefixes and self._empty_blocks < cdiv(len(token_ids), self.config.block_size) + 1:
             self._grow_before_evicting(self.allocator.blocks_needed_to_append(seq_id, len(token_ids)))
         result = self.allocator.append(seq_id, token_ids)
         if isinstance(result, NoRoom) and self._grow_for(result):
@@ -316,7 +318,7 @@ class PagedKVCache:
         if a.num_used:
             self._busy_at = now
         low = self.GROW_WHEN_FREE_BELOW * a.num_blocks if reserve_blocks is None else reserve_blocks
-        if a.num_free - (a.num_evictable if self.keep_prefixes else 0) < low:
+        if (self._empty_blocks if self.keep_prefixes else a.num_free) < low:
             added = self.grow(1)
         defrag = None
         if self.fragmentation >= self.config.defrag_threshold and self.fragmentation > 0:
@@ -356,9 +358,14 @@ class PagedKVCache:
             return False
         return self.grow(chunks) == chunks
 
+    @property
+    def _empty_blocks(self) -> int:
+        """Free blocks that hold no cached prefix."""
+        return self.allocator.num_free - self.allocator.num_evictable
+
     def _grow_before_evicting(self, needed: int) -> None:
         """keep_prefixes: blocks for `needed` new ones from the budget, not from cached prefixes."""
-        empty = self.allocator.num_free - self.allocator.num_evictable
+        empty = self._empty_blocks
         if self.allocator.num_evictable and empty < needed:
             self.grow(cdiv(needed - empty, self.chunk_blocks))
 
