@@ -179,7 +179,11 @@ def pooled(runs: list[dict]) -> dict:
     ttfts = [t for r in runs for t in r["ttfts"]]
     longs = [t for r in runs for t in r["ttfts_long"]]
     queries = sum(sum(r["replica_prompt_tokens"]) for r in runs)
+    engine = [r["engine_ttft_s"] for r in runs if r.get("engine_ttft_s") is not None]
+    admit = [r["admit_s"] for r in runs if r.get("admit_s") is not None]
     return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
+            "engine_ttft_mean": statistics.fmean(engine) if engine else None,
+            "admit_mean": statistics.fmean(admit) if admit else None,
             "prefix_hit_rate": sum(sum(r["replica_prefix_hits"]) for r in runs) / queries if queries else 0.0,
             "ttft_mean": statistics.fmean(ttfts) if ttfts else None,
             "failed": sum(r["failed"] for r in runs), "preemptions": sum(r["preemptions"] for r in runs),
@@ -196,10 +200,23 @@ def over_capacity_bursts(prompts: list[list[int]], burst: int, long_len: int, lo
 
 def replica_counters(app_name) -> dict[str, tuple]:
     """{replica: (requests taken, prompt tokens admitted, preemptions, engine steps, their seconds,
-    prompt tokens found in the prefix cache)} so far."""
+    prompt tokens found in the prefix cache, seconds from generate calls to the engine taking them,
+    seconds from the engine taking requests to their first tokens, requests in those)} so far."""
     return {name: (r.num_requests, r.stats.prefix_cache_queries, r.stats.num_preemptions, r.num_steps,
-                   r.step_seconds, r.stats.prefix_cache_hits)
+                   r.step_seconds, r.stats.prefix_cache_hits, r.admit_seconds, r.ttft_seconds, r.num_ttft)
             for name, r in replica_reports(app_name, replicas=2).items()}
+
+
+def router_args(name: str) -> dict | None:
+    """The app args of a --routers name: one of ROUTER_ARGS, or prefix@W (the prefix router with
+    prefix_weight W); None when it is neither."""
+    if name in ROUTER_ARGS:
+        return ROUTER_ARGS[name]
+    base, _, weight = name.partition("@")
+    try:
+        return {**ROUTER_ARGS[base], "prefix_weight": float(weight)} if base == "prefix" and weight else None
+    except ValueError:
+        return None
 
 
 def gap_list(text: str) -> list[float]:
@@ -226,7 +243,7 @@ def main() -> int:
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", help=f"order of the runs in the first round (later rounds reverse it); "
-                        f"from {', '.join(ROUTER_ARGS)} (default: kv_blocks,power_of_two; --workload chat: "
+                        f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W) (default: kv_blocks,power_of_two; --workload chat: "
                         "prefix,kv_blocks,power_of_two)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of every router, the order reversed every round; results pooled")
@@ -252,9 +269,9 @@ def main() -> int:
         parser.error(f"--pool-share {args.pool_share}: expected more than 0 and at most 4")
     chat = args.workload == "chat"
     routers = (args.routers or ("prefix,kv_blocks,power_of_two" if chat else "kv_blocks,power_of_two")).split(",")
-    unknown = [r for r in routers if r not in ROUTER_ARGS]
+    unknown = [r for r in routers if router_args(r) is None]
     if unknown:
-        parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}")
+        parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}, prefix@W (prefix_weight W)")
     if args.small:
         sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, max_model_len=1024)
         shape = ChatShape(sessions=args.sessions or 4, turns=3, system_prompts=2, system_words=60, user_words=10,
@@ -318,10 +335,11 @@ def main() -> int:
     try:
         for round_index in range(args.rounds):
             for router in routers if round_index % 2 == 0 else routers[::-1]:
-                name = f"ponytail-{router}"
-                serve.run(build({**engine, **ROUTER_ARGS[router], "min_replicas": 2, "max_replicas": 2}), name=name,
-                          route_prefix=f"/{router}")
-                base = f"http://127.0.0.1:{port}/{router}/v1"
+                path = router.replace("@", "-w")
+                name = f"ponytail-{path}"
+                serve.run(build({**engine, **router_args(router), "min_replicas": 2, "max_replicas": 2}), name=name,
+                          route_prefix=f"/{path}")
+                base = f"http://127.0.0.1:{port}/{path}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
                 for gap, prompts in loads:
                     before = replica_counters(name)
@@ -333,13 +351,17 @@ def main() -> int:
                     after = replica_counters(name)
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
                     queries, hits = sum(d[1] for d in deltas), sum(d[5] for d in deltas)
+                    taken, first_tokens = sum(d[0] for d in deltas), sum(d[8] for d in deltas)
                     result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
                                   replica_prompt_tokens=[d[1] for d in deltas],
                                   replica_prefix_hits=[d[5] for d in deltas],
                                   prefix_hit_rate=hits / queries if queries else 0.0,
                                   preemptions=sum(d[2] for d in deltas), replica_steps=[d[3] for d in deltas],
                                   replica_step_ms=[round(1e3 * d[4] / d[3], 2) if d[3] else None for d in deltas],
-                                  replica_busy=[round(d[4] / result["seconds"], 3) for d in deltas])
+                                  replica_busy=[round(d[4] / result["seconds"], 3) for d in deltas],
+                                  # the client's TTFT split: the replica's tokenizing, then the engine
+                                  admit_s=sum(d[6] for d in deltas) / taken if taken else None,
+                                  engine_ttft_s=sum(d[7] for d in deltas) / first_tokens if first_tokens else None)
                     runs.setdefault(router, []).append(result)
                 serve.delete(name)
     finally:
@@ -373,6 +395,9 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                       f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
                 print(f"{'':26s}engine steps {r['replica_steps']}, mean step ms {r['replica_step_ms']}, "
                       f"busy {r['replica_busy']} of the load's time")
+                if r.get("engine_ttft_s") is not None and r["ttfts"]:
+                    print(f"{'':26s}mean TTFT {statistics.fmean(r['ttfts']):.3f} s at the client: replica admission "
+                          f"(tokenizing) {r['admit_s']:.3f} s, engine (queue + prefill) {r['engine_ttft_s']:.3f} s")
                 for error in r["errors"]:
                     print(f"  error: {error}")
     nan = float("nan")
@@ -385,7 +410,9 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                   + ("" if chat else f" (long prompts {r['long_ttft_p50'] or nan:.3f}/{r['long_ttft_p90'] or nan:.3f}/"
                                      f"{r['long_ttft_p99'] or nan:.3f} s)")
                   + f", prefix hits {r['prefix_hit_rate']:.1%} of prompt tokens, {r['failed']} failed, "
-                  f"{r['preemptions']} preemptions")
+                  f"{r['preemptions']} preemptions"
+                  + ("" if r["engine_ttft_mean"] is None else
+                     f"; of the mean TTFT: replica admission {r['admit_mean']:.3f} s, engine {r['engine_ttft_mean']:.3f} s"))
         p2 = results.get("power_of_two", {}).get(str(gap))
         for router, per_gap in results.items():
             r = per_gap[str(gap)]

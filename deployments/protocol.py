@@ -20,6 +20,10 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
+    # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
+    # tokenized them to hash their blocks: a replica whose tokenizer has that fingerprint
+    # (prompts.tokenizer_fingerprint) takes the ids instead of tokenizing the prompt a second time.
+    tokenized: tuple[str, list[int]] | None = None
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""
@@ -84,6 +88,9 @@ class ReplicaReport:
     stats: EngineStats  # the engine's counters (blocks, running, waiting, preemptions, ...)
     num_steps: int = 0  # engine steps driven since the replica started
     step_seconds: float = 0.0  # their time in the engine's worker thread (device waits included)
+    admit_seconds: float = 0.0  # summed over generate calls: from the call to the engine taking it (tokenizing)
+    ttft_seconds: float = 0.0  # summed over finished requests: from the engine taking it to its first token
+    num_ttft: int = 0  # finished requests in ttft_seconds
 
 
 # Keys of a replica's record_routing_stats() dict, read by the router.

@@ -17,7 +17,7 @@ from ponytail import SamplingParams
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import prompt_token_ids
+from .prompts import prompt_token_ids, tokenizer_fingerprint
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
@@ -60,6 +60,10 @@ class EngineReplica:
         self.max_prompt_tokens = context_len if max_prompt_tokens is None else min(max_prompt_tokens, context_len)
         self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
+        # Where a request's time to first token goes on this replica (benchmarks split the client's TTFT).
+        self.admit_seconds, self.ttft_seconds, self.num_ttft = 0.0, 0.0, 0
+        # Requests the prefix router tokenized bring ids made with a tokenizer of this fingerprint.
+        self._fingerprint = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
         self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
         if _in_serve():
             # The replica's process is ours and what it holds now (model, tokenizer, engine) lives as
@@ -72,11 +76,15 @@ class EngineReplica:
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
+        called = time.monotonic()
         params = SamplingParams(**request.sampling)  # ConfigError names the bad field
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
-        prompt = await asyncio.to_thread(self._prompt_token_ids, request)
+        prompt = self._given_token_ids(request)
+        if prompt is None:
+            prompt = await asyncio.to_thread(self._prompt_token_ids, request)
+        self.admit_seconds += time.monotonic() - called
         if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
             raise ponytail.ContextLengthError(
                 f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
@@ -105,13 +113,13 @@ class EngineReplica:
                 out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
                 sent[delta.index] = done + len(entries)
             if delta.finished:
-                self.metrics.on_finished(output)
+                self._finished(output)
             yield out
 
     def _final_deltas(self, delta, request: GenerateRequest, params: SamplingParams) -> list[GenerateDelta]:
         """best_of: one whole delta per returned choice, the last one finishing the request."""
         output = delta.output
-        self.metrics.on_finished(output)
+        self._finished(output)
         outs = []
         for i, choice in enumerate(output.outputs):
             out = GenerateDelta(request_id=delta.request_id, text=choice.text, token_ids=list(choice.token_ids),
@@ -124,6 +132,13 @@ class EngineReplica:
                 out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, params.logprobs)
             outs.append(out)
         return outs
+
+    def _finished(self, output) -> None:
+        self.metrics.on_finished(output)
+        ttft = output.metrics.time_to_first_token
+        if ttft is not None:
+            self.ttft_seconds += ttft
+            self.num_ttft += 1
 
     def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
         """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
@@ -165,6 +180,16 @@ class EngineReplica:
                 f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
                 least, params.max_tokens, self.max_prompt_tokens)
 
+    def _given_token_ids(self, request: GenerateRequest) -> list[int] | None:
+        """The prompt's token ids when the request brings them: a token-id prompt, or the router's
+        tokenizing (GenerateRequest.tokenized) with this replica's tokenizer. None: tokenize it."""
+        if isinstance(request.prompt, list) and request.messages is None:
+            return list(request.prompt)
+        if request.tokenized is None or self._fingerprint is None:
+            return None
+        fingerprint, ids = request.tokenized
+        return list(ids) if fingerprint == self._fingerprint else None
+
     def _prompt_token_ids(self, request: GenerateRequest) -> str | list[int]:
         """The request's prompt as token ids (as the engine would tokenize it), or as given
         when it is already ids or the engine has no tokenizer."""
@@ -199,7 +224,8 @@ class EngineReplica:
         return ReplicaReport(replica=ray.get_runtime_context().get_actor_name() or "local", info=self.info,
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
-                             step_seconds=self.async_llm.step_seconds)
+                             step_seconds=self.async_llm.step_seconds, admit_seconds=self.admit_seconds,
+                             ttft_seconds=self.ttft_seconds, num_ttft=self.num_ttft)
 
 
 def tokenizer_source(tokenizer) -> str | None:
