@@ -50,7 +50,8 @@ def read_report(stats: Any) -> Report | None:
 
 
 def request_tokens(pending_request: PendingRequest | None) -> int | None:
-    """Prompt tokens (a cheap upper-bound guess) plus max_tokens; None when arg 0 is not a GenerateRequest."""
+    """Prompt tokens (a cheap upper-bound guess) plus max_tokens for each sample (n, or best_of
+    when larger: they share the prompt); None when arg 0 is not a GenerateRequest."""
     args = pending_request.args if pending_request is not None else None
     if not args or not isinstance(args[0], GenerateRequest):
         return None
@@ -59,9 +60,15 @@ def request_tokens(pending_request: PendingRequest | None) -> int | None:
         max_tokens = request.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
         if not isinstance(max_tokens, int) or max_tokens < 1:
             max_tokens = DEFAULT_MAX_TOKENS  # the replica rejects the request; size it like a default one
-        return request.num_prompt_tokens_hint() + max_tokens
+        samples = max(_count(request.sampling.get("n")), _count(request.sampling.get("best_of")))
+        return request.num_prompt_tokens_hint() + samples * max_tokens
     except (AttributeError, TypeError):  # malformed messages/sampling: the replica reports the error
         return None
+
+
+def _count(value: Any) -> int:
+    """n or best_of as sent; 1 when unset or invalid (the replica rejects an invalid one)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 1 else 1
 
 
 def blocks_needed(tokens: int | None, block_size: int) -> int:

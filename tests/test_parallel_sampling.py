@@ -168,3 +168,25 @@ def test_more_samples_than_running_slots_are_refused(small_model):
     with pytest.raises(ConfigError, match=r"best_of=6 is more sequences than this engine runs at once; "
                                           r"allowed: at most max_num_seqs=4"):
         llm.generate([1, 2, 3], SamplingParams(n=2, best_of=6))
+
+
+@pytest.mark.parametrize("prompt_len", [16, 18])
+def test_a_queued_parent_is_promised_its_samples_blocks_too(small_model, prompt_len):
+    """What a replica reports free (admissible - promised) must cover all n samples before the fork,
+    or a router would send it more than fits and the engine would preempt."""
+    llm = make_llm(small_model, block_size=BLOCK, enable_prefix_caching=False)
+    engine, max_tokens = llm.engine, 10
+    params = SamplingParams(n=4, max_tokens=max_tokens, temperature=1.0, seed=7, ignore_eos=True)
+    engine.add_request(list(range(100, 100 + prompt_len)), params)
+    shared = prompt_len // BLOCK
+    own = cdiv(prompt_len + max_tokens, BLOCK)
+    assert engine.scheduler.promises.total == own + 3 * (own - shared)  # what run_watching_blocks peaks at
+    forked_steps = 0
+    while engine.scheduler.has_work:
+        engine.step()
+        members = list(engine.scheduler.running)
+        if len(members) == 4:  # forked: each sample is promised what its own tokens do not fill yet
+            forked_steps += 1
+            assert engine.scheduler.promises.total == sum(own - cdiv(r.num_tokens, BLOCK) for r in members)
+    assert forked_steps >= max_tokens - 2
+    assert engine.scheduler.promises.total == 0 and llm.stats().used_blocks == 0

@@ -138,6 +138,13 @@ def test_request_size_in_blocks():
         assert request_tokens(request(prompt_tokens=100, max_tokens=20)) == 120
         assert blocks_needed(128, 16) == 8 and blocks_needed(129, 16) == 9
         assert request_tokens(request(prompt_tokens=100, max_tokens=None)) == 116  # default max_tokens 16
+        samples = request(prompt_tokens=100, max_tokens=20)
+        samples.args[0].sampling.update(n=3)
+        assert request_tokens(samples) == 100 + 3 * 20  # n samples share the prompt, each has its outputs
+        samples.args[0].sampling.update(best_of=5)
+        assert request_tokens(samples) == 100 + 5 * 20
+        samples.args[0].sampling.update(n=True, best_of="5")  # invalid: the replica says so; sized as one
+        assert request_tokens(samples) == 120
         text = PendingRequest(args=[GenerateRequest(prompt="x" * 300)], kwargs={},
                               metadata=RequestMetadata(request_id="t", internal_request_id="t"))
         assert request_tokens(text) == 300 // 3 + 16 + 16

@@ -83,6 +83,7 @@ def _fork(engine, parent: Request) -> list[Request]:
     # the parent's bookkeeping, so nobody offers them twice.
     engine.cache.mark_computed(parent.request_id, parent.num_computed_tokens)
     children = fork_members(parent)
+    engine.scheduler.promises.forked(parent)  # the children are promised their own blocks as adopted
     for child in children:
         engine.cache.fork(parent.request_id, child.request_id)
         if parent.grammar is not None:  # its own matcher, at the start as the parent's is

@@ -41,15 +41,19 @@ class BlockPromises:
     """Blocks queued and running requests will still take to reach prompt + max_tokens.
 
     A waiting request (new or preempted) is promised every block of prompt + max_tokens; a running
-    one those its tokens so far do not fill yet. The engine's thread keeps the total as requests
-    arrive, start, grow into a new block, are preempted and leave, so a report from another thread
-    reads one int instead of walking the scheduler's lists while they change.
+    one those its tokens so far do not fill yet. A parent of n > 1 samples is also promised, until
+    it forks them, what each other sample will take: its sequence's blocks but the prompt's full
+    ones, which the samples share (a partial last block is copied on write). The engine's thread
+    keeps the total as requests arrive, start, grow into a new block, are preempted and leave, so a
+    report from another thread reads one int instead of walking the scheduler's lists while they
+    change.
     """
 
     def __init__(self, block_size: int):
         self.block_size = block_size
         self.total = 0
         self._held: dict[str, int] = {}  # running request -> blocks its tokens fill, as counted
+        self._to_fork: dict[str, int] = {}  # parent not forked yet -> blocks its other samples will take
 
     def need(self, request: Request) -> int:
         """Blocks of the request's prompt + max_tokens."""
@@ -58,6 +62,15 @@ class BlockPromises:
     def queued(self, request: Request) -> None:
         """A request joins the waiting queue (new)."""
         self.total += self.need(request)
+        others = request.seqs_to_come - 1
+        if others > 0:
+            shared = len(request.prompt_token_ids) // self.block_size
+            self._to_fork[request.request_id] = others * (self.need(request) - shared)
+            self.total += self._to_fork[request.request_id]
+
+    def forked(self, parent: Request) -> None:
+        """A parent forked its other samples: each is promised its own blocks from now on (adopted)."""
+        self.total -= self._to_fork.pop(parent.request_id, 0)
 
     def started(self, request: Request) -> None:
         """A waiting request runs: the blocks its tokens fill are no longer promised."""
@@ -81,4 +94,4 @@ class BlockPromises:
     def left(self, request: Request, running: bool) -> None:
         """A request leaves the scheduler (finished or aborted), from the running list or the queue."""
         held = self._held.pop(request.request_id) if running else 0
-        self.total -= self.need(request) - held
+        self.total -= self.need(request) - held + self._to_fork.pop(request.request_id, 0)
