@@ -30,18 +30,18 @@ from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestOutput
-from ..sampling.grammar import GrammarCompiler, RequestGrammar, token_bitmask
-from ..sampling.sampler import HostSamples, SamplerOutput, SamplingBatch, request_generator, sample
+from ..sampling.grammar import GrammarCompiler, RequestGrammar
+from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
 from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
+from .step_sampling import StepBatches
 from ..utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
-_IGNORED_ROW = SamplingParams(temperature=0)  # the row of a request that ended before its step sampled
 
 
 @dataclass(slots=True)
@@ -98,6 +98,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
+        self._batches = StepBatches(self._generators, self.eos_token_ids)  # each step's SamplingBatch
         self._ids = itertools.count()
         self._steps = 0
         self._prefix_queries = 0
@@ -274,14 +275,7 @@ class LLMEngine:
             return _Launched(chunks, [], [], None, None, penalized=False)
         requests, logits = fork_samples(self, requests, logits)  # n > 1: prefills that just ended fork
         live = [not r.finished for r in requests]  # a finished row samples greedily, for nobody
-        grammars = [r.grammar if ok else None for r, ok in zip(requests, live)]
-        batch = SamplingBatch.build([r.params if ok else _IGNORED_ROW for r, ok in zip(requests, live)],
-                                    [r.output_token_ids if ok else [] for r, ok in zip(requests, live)],
-                                    [r.prompt_token_ids for r in requests],
-                                    [self._generators[r.request_id] if ok else None
-                                     for r, ok in zip(requests, live)], logits.device,
-                                    eos_token_id=sorted(self.eos_token_ids) or None,
-                                    token_bitmask=token_bitmask(grammars, logits.shape[1]))
+        batch = self._batches.build(requests, live, logits.shape[1], logits.device)
         result = sample(logits, batch)
         host = result.to_host(with_logprobs=batch.max_logprobs is not None)
         indexes = []

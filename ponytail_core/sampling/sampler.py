@@ -88,6 +88,12 @@ class SamplingBatch:
         return (not self.all_greedy or self.min_tokens_mask is not None or self.grammar_rows is not None
                 or self.logit_bias is not None or self.output_tokens is not None)
 
+    @property
+    def changes_per_step(self) -> bool:
+        """It holds what the next step may change: the rows' token histories (penalties), a
+        min_tokens mask (rows still short of it) or grammar bitmasks."""
+        return self.output_tokens is not None or self.min_tokens_mask is not None or self.grammar_rows is not None
+
     @classmethod
     def build(
         cls,
