@@ -36,9 +36,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     tokenize every prompt alike, so one may take the other's ids. None without a fast tokenizer.
     ~60 ms for SmolLM2's (a 1.5 MB definition): computed once per process."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
+    try:
+        definition = backend.to_str() if backend is not None else None
+    except Exception:  # a tokenizer that cannot say what it is: its ids are never shared
         return None
-    digest = hashlib.sha256(backend.to_str().encode())
+    if definition is None:
+        return None
+    digest = hashlib.sha256(definition.encode())
     for part in (type(tokenizer).__name__, getattr(tokenizer, "chat_template", None),
                  getattr(tokenizer, "special_tokens_map", None), getattr(tokenizer, "add_bos_token", None)):
         digest.update(repr(part).encode())

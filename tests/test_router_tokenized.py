@@ -28,14 +28,18 @@ def tokenizer():
 
 def test_the_router_sends_its_ids_with_the_tokenizers_fingerprint(tokenizer):
     router = make_router(FakeClock(), tokenizer=tokenizer)
-    pr = chat(MESSAGES)
-    assert router.prompt_hashes(pr, BS) is not None
-    fingerprint, ids = pr.args[0].tokenized
-    assert fingerprint == tokenizer_fingerprint(tokenizer) and len(fingerprint) == 64
-    assert ids == chat_token_ids(tokenizer, MESSAGES)
-    token_prompt = prefixed()
-    router.prompt_hashes(token_prompt, BS)
-    assert token_prompt.args[0].tokenized is None  # already ids: nothing to pass on
+
+    async def body():  # a PendingRequest is made inside a running loop
+        pr = chat(MESSAGES)
+        assert router.prompt_hashes(pr, BS) is not None
+        fingerprint, ids = pr.args[0].tokenized
+        assert fingerprint == tokenizer_fingerprint(tokenizer) and len(fingerprint) == 64
+        assert ids == chat_token_ids(tokenizer, MESSAGES)
+        token_prompt = prefixed()
+        router.prompt_hashes(token_prompt, BS)
+        assert token_prompt.args[0].tokenized is None  # already ids: nothing to pass on
+
+    asyncio.run(body())
 
 
 def test_fingerprints_tell_tokenizers_apart(tokenizer):
@@ -44,6 +48,14 @@ def test_fingerprints_tell_tokenizers_apart(tokenizer):
     other.chat_template = "{{ messages[0]['content'] }}"
     assert tokenizer_fingerprint(other) != tokenizer_fingerprint(tokenizer)
     assert tokenizer_fingerprint(object()) is None  # no fast tokenizer: never shared
+
+    class Opaque:
+        class backend_tokenizer:  # noqa: N801 (the attribute a fast tokenizer has)
+            @staticmethod
+            def to_str():
+                raise RuntimeError("not serializable")
+
+    assert tokenizer_fingerprint(Opaque()) is None
 
 
 @pytest.mark.parametrize("same_tokenizer", [True, False])
