@@ -243,8 +243,8 @@ def main() -> int:
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", help=f"order of the runs in the first round (later rounds reverse it); "
-                        f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W) (default: kv_blocks,power_of_two; --workload chat: "
-                        "prefix,kv_blocks,power_of_two)")
+                        f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W) "
+                        "(default: kv_blocks,power_of_two; --workload chat: prefix,kv_blocks,power_of_two)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of every router, the order reversed every round; results pooled")
     parser.add_argument("--workload", choices=("mix", "chat"), default="mix",
@@ -412,7 +412,8 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                   + f", prefix hits {r['prefix_hit_rate']:.1%} of prompt tokens, {r['failed']} failed, "
                   f"{r['preemptions']} preemptions"
                   + ("" if r["engine_ttft_mean"] is None else
-                     f"; of the mean TTFT: replica admission {r['admit_mean']:.3f} s, engine {r['engine_ttft_mean']:.3f} s"))
+                     f"; of the mean TTFT: replica admission {r['admit_mean']:.3f} s, "
+                     f"engine {r['engine_ttft_mean']:.3f} s"))
         p2 = results.get("power_of_two", {}).get(str(gap))
         for router, per_gap in results.items():
             r = per_gap[str(gap)]

@@ -12,9 +12,9 @@ pytestmark = pytest.mark.network  # the default model's tokenizer
 
 
 def mixed_params() -> list[SamplingParams]:
-    """Greedy, seeded and unseeded-free rows of different lengths (rows finish at different steps)."""
-    return [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True,
-                           **({"temperature": 0} if i % 3 == 0 else {"temperature": 0.8, "top_p": 0.9, "seed": 100 + i}))
+    """Greedy and seeded rows of different lengths (rows finish at different steps)."""
+    sampled = [{"temperature": 0.8, "top_p": 0.9, "seed": 100 + i} for i in range(6)]
+    return [SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, **({"temperature": 0} if i % 3 == 0 else sampled[i]))
             for i in range(6)]
 
 
