@@ -90,6 +90,7 @@ class ReplicaReport:
     step_seconds: float = 0.0  # their time in the engine's worker thread (device waits included)
     admit_seconds: float = 0.0  # summed over generate calls: from the call to the engine taking it (tokenizing)
     ttft_seconds: float = 0.0  # summed over finished requests: from the engine taking it to its first token
+    queue_seconds: float = 0.0  # the part of ttft_seconds before each request's first step (waiting to run)
     num_ttft: int = 0  # finished requests in ttft_seconds
 
 

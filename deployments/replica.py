@@ -61,7 +61,7 @@ class EngineReplica:
         self.max_token_bytes = _max_token_bytes(self.tokenizer)
         self.num_requests = 0  # generate calls taken: where the router sent requests, for tests and benchmarks
         # Where a request's time to first token goes on this replica (benchmarks split the client's TTFT).
-        self.admit_seconds, self.ttft_seconds, self.num_ttft = 0.0, 0.0, 0
+        self.admit_seconds, self.ttft_seconds, self.queue_seconds, self.num_ttft = 0.0, 0.0, 0.0, 0
         # Requests the prefix router tokenized bring ids made with a tokenizer of this fingerprint.
         self._fingerprint = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
         self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
@@ -135,9 +135,11 @@ class EngineReplica:
 
     def _finished(self, output) -> None:
         self.metrics.on_finished(output)
-        ttft = output.metrics.time_to_first_token
+        metrics = output.metrics
+        ttft = metrics.time_to_first_token
         if ttft is not None:
             self.ttft_seconds += ttft
+            self.queue_seconds += metrics.first_scheduled_time - metrics.arrival_time
             self.num_ttft += 1
 
     def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
@@ -225,7 +227,8 @@ class EngineReplica:
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
                              step_seconds=self.async_llm.step_seconds, admit_seconds=self.admit_seconds,
-                             ttft_seconds=self.ttft_seconds, num_ttft=self.num_ttft)
+                             ttft_seconds=self.ttft_seconds, queue_seconds=self.queue_seconds,
+                             num_ttft=self.num_ttft)
 
 
 def tokenizer_source(tokenizer) -> str | None:

@@ -95,3 +95,20 @@ def test_model_info_comes_from_public_llm_properties(replica):
     assert (info.model_id, info.max_model_len, info.block_size, info.device, info.device_uuid) == (
         "random-llama", 64, 4, "cpu", None)
     assert (replica.llm.max_model_len, replica.llm.block_size, str(replica.llm.device)) == (64, 4, "cpu")
+
+
+def test_the_report_splits_time_to_first_token_into_waiting_and_the_first_steps(replica):
+    from ponytail.engine.request import CompletionOutput, RequestMetrics, RequestOutput
+
+    def finished(arrival, scheduled, first_token):
+        metrics = RequestMetrics(arrival, first_scheduled_time=scheduled, first_token_time=first_token,
+                                 last_token_time=first_token, finished_time=arrival + 1.0)
+        return RequestOutput("r", None, [1, 2, 3], [CompletionOutput(0, "ab", [4, 5], "length")], True,
+                             metrics)
+
+    replica._finished(finished(10.0, 10.25, 10.5))  # waited 0.25 s for its first step, first token 0.25 s later
+    replica._finished(finished(20.0, 20.0, 20.125))  # ran at once
+    aborted = finished(30.0, None, None)
+    replica._finished(aborted)  # never got a token: counts in neither sum
+    report = replica.report()
+    assert (report.num_ttft, report.ttft_seconds, report.queue_seconds) == (2, 0.625, 0.25)

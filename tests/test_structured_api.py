@@ -65,7 +65,7 @@ class LocalReplica(EngineReplica):
         self.llm, self.async_llm, self.tokenizer = llm, ponytail.AsyncLLM(llm), llm.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)
         self.metrics, self.num_requests = _NoMetrics(), 0
-        self.admit_seconds, self.ttft_seconds, self.num_ttft = 0.0, 0.0, 0
+        self.admit_seconds, self.ttft_seconds, self.queue_seconds, self.num_ttft = 0.0, 0.0, 0.0, 0
         self._fingerprint = None  # no router in front: nothing comes tokenized
         self.info = ModelInfo(model_id=MODEL, max_model_len=llm.engine.scheduler.max_model_len,
                               block_size=16, device="cpu", device_uuid=None)
