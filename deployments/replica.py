@@ -223,7 +223,9 @@ class EngineReplica:
 
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""
-        return ReplicaReport(replica=ray.get_runtime_context().get_actor_name() or "local", info=self.info,
+        # ray.get_runtime_context() would start a Ray cluster in a process without one (a local replica)
+        actor = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        return ReplicaReport(replica=actor or "local", info=self.info,
                              routing=self.record_routing_stats(), num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
                              step_seconds=self.async_llm.step_seconds, admit_seconds=self.admit_seconds,

@@ -11,6 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from ponytail import SamplingParams
 
 pytest.importorskip("ray.serve")
+import ray  # noqa: E402
 
 from deployments.replica import EngineReplica  # noqa: E402
 
@@ -112,3 +113,4 @@ def test_the_report_splits_time_to_first_token_into_waiting_and_the_first_steps(
     replica._finished(aborted)  # never got a token: counts in neither sum
     report = replica.report()
     assert (report.num_ttft, report.ttft_seconds, report.queue_seconds) == (2, 0.625, 0.25)
+    assert report.replica == "local" and not ray.is_initialized()  # reporting started no Ray cluster
