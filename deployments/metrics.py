@@ -30,6 +30,13 @@ class ReplicaMetrics:
                                       boundaries=_LATENCY_BOUNDARIES)
         self.tpot = metrics.Histogram("ponytail_time_per_output_token_seconds", "Time per output token",
                                       boundaries=_LATENCY_BOUNDARIES)
+        # vLLM's split of a request's time to first token: waiting in the engine, then its first steps
+        self.queue_time = metrics.Histogram("ponytail_request_queue_time_seconds",
+                                            "Time from the engine taking a request to its first step",
+                                            boundaries=_LATENCY_BOUNDARIES)
+        self.prefill_time = metrics.Histogram("ponytail_request_prefill_time_seconds",
+                                              "Time from a request's first step to its first token",
+                                              boundaries=_LATENCY_BOUNDARIES)
         self.steps = metrics.Counter("ponytail_engine_steps_total", "Engine steps run")
         self.busy = metrics.Counter("ponytail_engine_busy_seconds_total",
                                     "Seconds the engine spent in its steps (rate: the busy share; "
@@ -66,6 +73,8 @@ class ReplicaMetrics:
         m = output.metrics
         if m.first_token_time is not None:
             self.ttft.observe(m.first_token_time - m.arrival_time)
+            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
             tokens = len(output.token_ids)
             if tokens > 1 and m.last_token_time is not None:
                 self.tpot.observe((m.last_token_time - m.first_token_time) / (tokens - 1))

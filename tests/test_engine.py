@@ -423,9 +423,26 @@ def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     metrics.on_stats(llm.stats())  # counters start from the engine's totals
     outputs = llm.generate(random_prompts(2, seed=11), GREEDY)
     metrics.on_stats(llm.stats())
+    observed = {}
+
+    class Recorder:  # stands in for a Ray histogram: what on_finished observes, by metric
+        def __init__(self, name):
+            self.name = name
+
+        def observe(self, value):
+            observed.setdefault(self.name, []).append(value)
+
+    for name in ("ttft", "tpot", "queue_time", "prefill_time"):
+        setattr(metrics, name, Recorder(name))
     for output in outputs:
         metrics.on_finished(output)
     assert metrics._last == llm.stats()
+    for output, ttft, queue, prefill in zip(outputs, observed["ttft"], observed["queue_time"],
+                                            observed["prefill_time"], strict=True):
+        m = output.metrics
+        assert ttft == m.first_token_time - m.arrival_time and queue >= 0 and prefill > 0
+        scheduled = m.first_scheduled_time
+        assert (queue, prefill) == (scheduled - m.arrival_time, m.first_token_time - scheduled)
 
 
 def test_replica_metrics_count_engine_steps_and_busy_seconds(small_model):
