@@ -411,7 +411,8 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
     for gap in gaps:
         for router, per_gap in results.items():
             r = per_gap[str(gap)]
-            print(f"  gap {gap:.1f} s {router:16s} {r['tokens_per_s']:8.1f} tok/s, TTFT mean {r['ttft_mean'] or nan:.3f} "
+            print(f"  gap {gap:.1f} s {router:16s} {r['tokens_per_s']:8.1f} tok/s, "
+                  f"TTFT mean {r['ttft_mean'] or nan:.3f} "
                   f"p50/p90/p99 {r['ttft_p50'] or nan:.3f}/{r['ttft_p90'] or nan:.3f}/{r['ttft_p99'] or nan:.3f} s"
                   + ("" if chat else f" (long prompts {r['long_ttft_p50'] or nan:.3f}/{r['long_ttft_p90'] or nan:.3f}/"
                                      f"{r['long_ttft_p99'] or nan:.3f} s)")
@@ -428,9 +429,21 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                 continue
             p99 = 100 * (1 - r["ttft_p99"] / p2["ttft_p99"])
             mean = 100 * (1 - r["ttft_mean"] / p2["ttft_mean"])
-            print(f"  gap {gap:.1f} s: {router} against power_of_two: throughput {r['tokens_per_s'] / p2['tokens_per_s']:.2f}x, "
+            speed = r["tokens_per_s"] / p2["tokens_per_s"]
+            print(f"  gap {gap:.1f} s: {router} against power_of_two: throughput {speed:.2f}x, "
                   f"mean TTFT {abs(mean):.0f}% {'lower' if mean >= 0 else 'higher'}, "
                   f"p99 TTFT {abs(p99):.0f}% {'lower' if p99 >= 0 else 'higher'}")
+            changes = mean_ttft_changes(runs.get(router, []), runs.get("power_of_two", []), gap)
+            if len(changes) > 1:  # how far single rounds stray from the pooled figure
+                print("    mean TTFT against power_of_two's same round, round by round: "
+                      + ", ".join(f"{c:+.0%}" for c in changes))
+
+
+def mean_ttft_changes(router_runs: list[dict], baseline_runs: list[dict], gap: float) -> list[float]:
+    """Per round at this gap: the router's mean TTFT over the baseline's in the same round, minus 1."""
+    base = {r["round"]: statistics.fmean(r["ttfts"]) for r in baseline_runs if r["gap"] == gap and r["ttfts"]}
+    return [statistics.fmean(r["ttfts"]) / base[r["round"]] - 1
+            for r in router_runs if r["gap"] == gap and r["ttfts"] and r["round"] in base]
 
 
 if __name__ == "__main__":

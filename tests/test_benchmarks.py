@@ -154,6 +154,20 @@ def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_
     assert [len(p) for p in prompts[:16]] != [len(p) for p in prompts[16:32]]  # places differ per burst
 
 
+def test_bench_router_compares_mean_ttft_round_by_round_against_the_same_rounds_baseline():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from bench_router import mean_ttft_changes
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    base = [{"round": 0, "gap": 0.1, "ttfts": [0.2, 0.4]}, {"round": 1, "gap": 0.1, "ttfts": [0.5]},
+            {"round": 0, "gap": 1.0, "ttfts": [9.0]}]
+    runs = [{"round": 1, "gap": 0.1, "ttfts": [0.25, 0.5]}, {"round": 0, "gap": 0.1, "ttfts": [0.15, 0.15]},
+            {"round": 2, "gap": 0.1, "ttfts": [0.1]}, {"round": 0, "gap": 0.1, "ttfts": []}]
+    assert mean_ttft_changes(runs, base, 0.1) == pytest.approx([-0.25, -0.5])  # round 2 has no baseline
+    assert mean_ttft_changes(runs, base, 1.0) == [] and mean_ttft_changes(runs, [], 0.1) == []
+
+
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
                              "--peers", "plain,sglang"], cwd=ROOT, capture_output=True, text=True, timeout=300)
