@@ -72,8 +72,8 @@ class ReplicaMetrics:
     def on_finished(self, output: RequestOutput) -> None:
         m = output.metrics
         if m.first_token_time is not None:
-            self.ttft.observe(m.first_token_time - m.arrival_time)
-            self.queue_time.observe(m.first_scheduled_time - m.arrival_time)
+            self.ttft.observe(m.time_to_first_token)
+            self.queue_time.observe(m.queue_time)
             self.prefill_time.observe(m.first_token_time - m.first_scheduled_time)
             tokens = len(output.token_ids)
             if tokens > 1 and m.last_token_time is not None:

@@ -135,11 +135,10 @@ class EngineReplica:
 
     def _finished(self, output) -> None:
         self.metrics.on_finished(output)
-        metrics = output.metrics
-        ttft = metrics.time_to_first_token
+        ttft = output.metrics.time_to_first_token
         if ttft is not None:
             self.ttft_seconds += ttft
-            self.queue_seconds += metrics.first_scheduled_time - metrics.arrival_time
+            self.queue_seconds += output.metrics.queue_time
             self.num_ttft += 1
 
     def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:

@@ -40,6 +40,11 @@ class RequestMetrics:
     def time_to_first_token(self) -> float | None:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
+    @property
+    def queue_time(self) -> float | None:
+        """Waiting before the first step (vLLM's request queue time); None until scheduled."""
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
 
 @dataclass(slots=True)
 class Request:
