@@ -12,7 +12,7 @@ import math
 import os
 from typing import ClassVar
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
 
@@ -84,6 +84,9 @@ class AppArgs(BaseModel):
                                  "use and load (each 0-1); 0: no affinity")
     compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
+    engine_process: bool | None = Field(None, description="run each replica's engine step loop in a process of its "
+                                        "own (vLLM's engine core), so streaming does not slow the steps; unset: on "
+                                        "for GPUs")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
@@ -108,7 +111,7 @@ class AppArgs(BaseModel):
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
                                                 "block_size", "compile_model", "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
-                                                "keep_prefix_cache")
+                                                "keep_prefix_cache", "engine_process")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 
@@ -126,16 +129,16 @@ class AppArgs(BaseModel):
             raise ValueError(f"router={value!r} is not supported; allowed: {', '.join(ROUTERS)}")
         return value
 
-    @field_validator("compile_model", mode="before")
+    @field_validator("compile_model", "engine_process", mode="before")
     @classmethod
-    def _compile_model(cls, value: object) -> object:
+    def _on_off_or_auto(cls, value: object, info: ValidationInfo) -> object:
         # pydantic would take "yes" or 1 as true; keep app.yaml's booleans booleans ("true" from the
         # command line included, as pydantic reads it).
         if value is None or isinstance(value, bool) or str(value).lower() in ("true", "false"):
             return value
         if str(value).lower() in ("null", "none"):
             return None
-        raise ValueError(f"compile_model={value!r} is not supported; allowed: true, false, null (on for GPUs)")
+        raise ValueError(f"{info.field_name}={value!r} is not supported; allowed: true, false, null (on for GPUs)")
 
     @field_validator("max_hold_s")
     @classmethod

@@ -32,18 +32,29 @@ class EngineReplica:
                  model_id: str | None = None, compile_model: bool | None = None, stream_interval_s: float = 0.0,
                  gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
                  model_alias: str | None = None, max_deltas_per_s: float | None = None,
-                 keep_prefix_cache: bool = True):
+                 keep_prefix_cache: bool = True, engine_process: bool | None = None):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
-        short name, e.g. SmolLM2-135M-Instruct)."""
-        self.llm = ponytail.LLM(model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                                max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
-                                gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache)
-        # Merged deltas: one Ray message per stream per interval, not one per token; the event loop
-        # that sends them shares the GIL with the engine's step thread.
-        self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s,
-                                           max_deltas_per_s=max_deltas_per_s)
+        short name, e.g. SmolLM2-135M-Instruct). engine_process: the engine's step loop in a child
+        process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU."""
+        llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
+                          max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
+                          gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache)
+        if engine_process is None:
+            engine_process = _on_gpu(device)
+        # Merged deltas: one Ray message per stream per interval, not one per token. In one process
+        # the event loop that sends them shares the GIL with the engine's step thread: with a child
+        # process for the engine, neither slows the other (self.llm is then that process's front).
+        if engine_process:
+            self.async_llm = ponytail.ProcessAsyncLLM(llm_kwargs, stream_interval_s=stream_interval_s,
+                                                      max_deltas_per_s=max_deltas_per_s,
+                                                      prefix_log_capacity=LOG_CAPACITY)
+            self.llm = self.async_llm
+        else:
+            self.llm = ponytail.LLM(**llm_kwargs)
+            self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s,
+                                               max_deltas_per_s=max_deltas_per_s)
         self.tokenizer = self.llm.tokenizer
         self.token_texts = TokenTexts(self.tokenizer)
         root = tokenizer_source(self.tokenizer)
@@ -52,7 +63,7 @@ class EngineReplica:
             model_alias = short
         served = model_id or root or model_alias or short
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
-                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm.device), root=root,
+                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm), root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [])
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
@@ -201,6 +212,18 @@ class EngineReplica:
     async def abort(self, request_id: str) -> bool:
         return await self.async_llm.abort(request_id)
 
+    def check_health(self) -> None:
+        """Serve's health check: a replica whose engine process died fails it and is replaced."""
+        dead = getattr(self.async_llm, "dead", None)
+        if dead is not None:
+            raise dead
+
+    def __del__(self) -> None:
+        """Serve's graceful shutdown: the engine process stops with the replica."""
+        shutdown = getattr(getattr(self, "async_llm", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
     async def model_info(self) -> ModelInfo:
         return self.info
 
@@ -262,9 +285,20 @@ def _in_serve() -> bool:
         return False
 
 
-def _device_uuid(device) -> str | None:
-    if device.type != "cuda":
+def _device_uuid(llm) -> str | None:
+    if isinstance(llm, ponytail.ProcessAsyncLLM):  # read in the engine's process: this one has no CUDA context
+        return llm.device_uuid
+    if llm.device.type != "cuda":
         return None
     import torch
 
-    return str(torch.cuda.get_device_properties(device).uuid)
+    return str(torch.cuda.get_device_properties(llm.device).uuid)
+
+
+def _on_gpu(device: str) -> bool:
+    """Whether LLM(device=device) runs on a GPU, without creating a CUDA context here."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")

@@ -11,11 +11,12 @@ from .kv.blocks import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
 from .kv.prefix_events import PrefixEvent, PrefixEventLog  # noqa: E402
 from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
-from .errors import ConfigError, ContextLengthError, KernelError, PonytailError  # noqa: E402
+from .errors import ConfigError, ContextLengthError, EngineDeadError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
 from .async_llm import AsyncLLM, RequestDelta  # noqa: E402
 from .plugin.cache import PonytailCache  # noqa: E402
 from .llm import LLM  # noqa: E402
+from .process_llm import ProcessAsyncLLM  # noqa: E402
 from .engine.stats import EngineStats  # noqa: E402
 from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
@@ -31,6 +32,7 @@ __all__ = [
     "CompletionOutput",
     "EngineStats",
     "LLM",
+    "ProcessAsyncLLM",
     "RequestDelta",
     "RequestOutput",
     "SamplingParams",
@@ -42,6 +44,7 @@ __all__ = [
     "DEFAULT_BLOCK_SIZE",
     "ContextLengthError",
     "DefragResult",
+    "EngineDeadError",
     "KVEstimate",
     "KernelError",
     "NoRoom",

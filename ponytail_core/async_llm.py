@@ -120,16 +120,13 @@ class AsyncLLM:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[RequestDelta]:
         """Add a request and yield its deltas as they come; aborts it if the consumer stops early."""
-        request = self.engine.prepare_request(prompt, params, request_id)
-        if request.request_id in self._streams:
-            raise ConfigError(f"request_id={request.request_id!r} is already in use")
-        if request.grammar_ready is not None:  # compiled in the grammar thread; ConfigError if it cannot be
-            await asyncio.wrap_future(request.grammar_ready)
+        request_id, submit = await self._admit(prompt, params, request_id)
+        if request_id in self._streams:
+            raise ConfigError(f"request_id={request_id!r} is already in use")
         stream = _Stream()
         queue = stream.queue
-        self._streams[request.request_id] = stream
-        self._incoming.append(request)
-        self._ensure_loop()
+        self._streams[request_id] = stream
+        submit()
         finished = False
         error: BaseException | None = None  # met while merging: raised after the merged delta
         last_yield: float | None = None
@@ -161,14 +158,28 @@ class AsyncLLM:
         finally:
             if streaming:
                 self._num_streaming -= 1
-            self._streams.pop(request.request_id, None)
+            self._streams.pop(request_id, None)
             if not finished:
-                self._aborts.append(request.request_id)
-            self._forget.append(request.request_id)
+                self._aborts.append(request_id)
+            self._forget.append(request_id)
             try:
                 self._ensure_loop()
             except RuntimeError:  # the event loop is shutting down: nothing more to drive
                 pass
+
+    async def _admit(self, prompt: str | list[int], params: SamplingParams | None,
+                     request_id: str | None) -> tuple[str, Callable[[], None]]:
+        """Check a request on the caller's side (ConfigError names what is wrong) and wait for its
+        grammar; returns its id and what hands it to the engine once its stream is registered."""
+        request = self.engine.prepare_request(prompt, params, request_id)
+        if request.grammar_ready is not None:  # compiled in the grammar thread; ConfigError if it cannot be
+            await asyncio.wrap_future(request.grammar_ready)
+
+        def submit() -> None:
+            self._incoming.append(request)
+            self._ensure_loop()
+
+        return request.request_id, submit
 
     async def abort(self, request_id: str) -> bool:
         """Ask for a request to stop; its stream ends with a finished delta (reason "abort")."""

@@ -32,3 +32,7 @@ class ContextLengthError(ConfigError):
 
 class KernelError(PonytailError, RuntimeError):
     """A custom kernel could not be built or was handed arguments it cannot work on."""
+
+
+class EngineDeadError(PonytailError, RuntimeError):
+    """The engine's process (ProcessAsyncLLM) exited: its requests failed and it takes no more."""

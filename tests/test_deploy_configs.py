@@ -36,6 +36,8 @@ def test_app_args_are_checked():
         AppArgs(router="random")
     with pytest.raises(ValueError, match="compile_model='yes' is not supported; allowed: true, false, null"):
         AppArgs(compile_model="yes")
+    with pytest.raises(ValueError, match="engine_process='sometimes' is not supported; allowed: true, false, null"):
+        AppArgs(engine_process="sometimes")
     with pytest.raises(ValueError, match=r"max_hold_s=-1 is not supported; allowed: seconds >= 0 \(0: never hold\)"):
         AppArgs(max_hold_s=-1)
     with pytest.raises(ValueError, match=r"stream_interval_s=5 is not supported; allowed: seconds from 0 to 1"):
@@ -99,6 +101,8 @@ def test_engine_arguments_reach_the_replica_constructor():
     assert args["stream_interval_s"] == 0.02 and args["max_deltas_per_s"] == 500
     assert args["keep_prefix_cache"] is True  # a replica keeps its conversations' prefixes by default
     assert engine_arguments(AppArgs(keep_prefix_cache=False), gpu=False)["keep_prefix_cache"] is False
+    assert args["engine_process"] is None  # the replica decides: a child process where its engine is on a GPU
+    assert engine_arguments(AppArgs(engine_process="false"), gpu=True)["engine_process"] is False
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
     assert args["model_id"] is None and args["model_alias"] == "SmolLM2-135M-Instruct"
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)

@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import ponytail
+from tiny_models import sharp_llama
 from ponytail import ConfigError, SamplingParams
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
@@ -20,14 +20,7 @@ pytestmark = pytest.mark.network  # the default model's tokenizer
 def small_model(default_model):
     """A random 2-layer Llama sharing the default model's tokenizer (fast, sharp logits)."""
     _, tokenizer = default_model
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(30)  # no greedy near-ties on random weights
-    return model, tokenizer
+    return sharp_llama(tokenizer), tokenizer
 
 
 def plain_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:

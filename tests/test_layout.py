@@ -15,7 +15,7 @@ CORE = ROOT / "ponytail_core"
 
 # Bottom to top; a module may import its own layer and the layers below (docs/design.md).
 LAYERS = ["errors", "utils", "kernels", "kv", "attention", "sampling", "models", "runner", "engine",
-          "plugin", "llm", "async_llm", "bench", "serve_command", "cli", "__init__"]
+          "plugin", "llm", "engine_core", "async_llm", "process_llm", "bench", "serve_command", "cli", "__init__"]
 MAX_LINES = 400
 
 

@@ -1,5 +1,7 @@
 """The Serve application end to end on the CPU: two engine replicas of the embedded default model,
-the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only."""
+the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback only. The replicas run
+their engines in child processes (engine_process, the GPU default), so this path is tested here;
+the other Serve tests keep the CPU default (the engine in the replica's process)."""
 
 import os
 import re
@@ -24,7 +26,7 @@ pytestmark = pytest.mark.network  # the default model
 
 @pytest.fixture(scope="module")
 def app(default_model):  # default_model: the converted checkpoint exists before replicas start
-    with running_app(min_replicas=2, max_replicas=2) as started:
+    with running_app(min_replicas=2, max_replicas=2, engine_process=True) as started:
         yield started
 
 

@@ -39,6 +39,13 @@ class PrefixEventLog:
         self.seq += 1
         self.events.append(PrefixEvent(self.seq, block_hash, stored))
 
+    def extend(self, events: list[PrefixEvent]) -> None:
+        """Append another log's events as they are, sequence numbers and gaps included (a copy of
+        an engine's log in another process)."""
+        if events:
+            self.events.extend(events)
+            self.seq = events[-1].seq
+
     def since(self, seq: int) -> list[PrefixEvent]:
         """Events newer than `seq`, oldest first; the first one's seq > seq + 1 when some were forgotten."""
         events = list(self.events)  # one C-level copy: no step-thread append can interleave
