@@ -80,3 +80,24 @@ def test_the_cpu_chat_wave_is_seeded_short_with_a_long_tail():
     assert all(p + n <= 1200 for p, n in cpu_chat_lengths(50, 0, 1200))
     texts = requests_for(20, 0, 4096, 1, "cpu-chat")
     assert [len(t.split()) for t, _ in texts] == [p for p, _ in cpu_chat_lengths(20, 0, 4096)]
+
+
+def test_side_by_side_builds_each_servers_app_yaml_and_refuses_unknown_args(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import argparse
+
+    import serve_side_by_side as side
+
+    assert side.parse_server("vllm") == ("vllm", {})
+    assert side.parse_server("ponytail:engine_process=false;max_num_seqs=128") == (
+        "ponytail", {"engine_process": "false", "max_num_seqs": "128"})
+    config = side.ponytail_config("/models/x", {"engine_process": "false", "max_num_seqs": "128"})
+    args = config["applications"][0]["args"]
+    assert args["model"] == "/models/x" and args["engine_process"] is False and args["max_num_seqs"] == 128
+    assert args["compile_model"] is None  # the rest stays as shipped
+    with pytest.raises(SystemExit, match=r"unknown app args \['max_num_sequences'\]"):
+        side.ponytail_config("/models/x", {"max_num_sequences": "8"})
+    with pytest.raises(argparse.ArgumentTypeError, match="vllm runs with its defaults"):
+        side.parse_server("vllm:gpu_memory_utilization=0.5")
+    with pytest.raises(argparse.ArgumentTypeError, match="expected ponytail"):
+        side.parse_server("sglang")
