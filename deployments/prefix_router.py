@@ -13,6 +13,7 @@ import ponytail
 
 from .prefix_index import PrefixIndex
 from .prompts import prompt_token_ids, tokenizer_fingerprint
+from .segment_tokens import SegmentCache
 from .protocol import STAT_CACHED_BLOCKS, GenerateRequest
 from .router import KVBlockRouter, Placement, Report, blocks_needed, read_report, request_tokens
 
@@ -75,6 +76,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         self.tokenizer: Any = None
         self._tokenizer_model: str | None = None
         self._fingerprint: str | None = None  # the tokenizer's (prompts.tokenizer_fingerprint)
+        self.segments: SegmentCache | None = None
         self._indexes: dict[ReplicaID, PrefixIndex] = {}
 
     def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
@@ -97,6 +99,7 @@ class PrefixAffinityRouter(KVBlockRouter):
             self._load_tokenizer()
         if self.tokenizer is not None:
             self._fingerprint = tokenizer_fingerprint(self.tokenizer)
+            self.segments = SegmentCache(self.tokenizer)  # a session's earlier turns are not tokenized again
 
     # ------------------------------------------------------------------ the prompt
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -149,7 +152,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         if self.tokenizer is None:  # none could be loaded here: size and load decide
             return None
         try:
-            return prompt_token_ids(self.tokenizer, request)
+            return prompt_token_ids(self.tokenizer, request, self.segments)
         except Exception:  # malformed messages: the replica reports the error; route it on size alone
             return None
 

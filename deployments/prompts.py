@@ -7,12 +7,18 @@ import hashlib
 from typing import Any
 
 from .protocol import GenerateRequest
+from .segment_tokens import SegmentCache
 
 
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                   tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """The chat template applied with the generation prompt (and the tool definitions), as token ids."""
+                   tools: list[dict[str, Any]] | None = None, segments: SegmentCache | None = None) -> list[int]:
+    """The chat template applied with the generation prompt (and the tool definitions), as token ids;
+    with `segments` (this tokenizer's), the pieces between special tokens seen lately are not
+    tokenized again."""
     extra = {"tools": tools} if tools else {}  # only when given: tokenizers without tool support keep working
+    if segments is not None and segments.usable:  # what apply_chat_template(tokenize=True) tokenizes, in pieces
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra)
+        return segments.encode(text)
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False,
                                         **extra)
     if hasattr(ids, "input_ids") or isinstance(ids, dict):
@@ -20,11 +26,11 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
     return list(ids)
 
 
-def prompt_token_ids(tokenizer: Any, request: GenerateRequest) -> list[int]:
+def prompt_token_ids(tokenizer: Any, request: GenerateRequest, segments: SegmentCache | None = None) -> list[int]:
     """Token ids of the request's prompt: chat messages through the template, text as the engine
     tokenizes it (special tokens added), token ids as given."""
     if request.messages is not None:
-        return chat_token_ids(tokenizer, request.messages, request.tools)
+        return chat_token_ids(tokenizer, request.messages, request.tools, segments)
     if isinstance(request.prompt, list):
         return list(request.prompt)
     return list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])

@@ -18,6 +18,7 @@ from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint
+from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
@@ -75,6 +76,8 @@ class EngineReplica:
         self.admit_seconds, self.ttft_seconds, self.queue_seconds, self.num_ttft = 0.0, 0.0, 0.0, 0
         # Requests the prefix router tokenized bring ids made with a tokenizer of this fingerprint.
         self._fingerprint = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+        # A conversation's earlier turns and shared system prompts are tokenized once, not every turn.
+        self.segments = SegmentCache(self.tokenizer) if self.tokenizer is not None else None
         self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
         if _in_serve():
             # The replica's process is ours and what it holds now (model, tokenizer, engine) lives as
@@ -164,7 +167,7 @@ class EngineReplica:
         """The token ids the engine would compute for a completions prompt or chat messages (in a
         worker thread, as generate's: a huge prompt must not stall other streams)."""
         request = GenerateRequest(prompt=prompt, messages=messages)
-        return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request))
+        return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request, self.segments))
 
     async def detokenize(self, token_ids: list[int]) -> str:
         vocab = self.llm.vocab_size
@@ -207,7 +210,7 @@ class EngineReplica:
         when it is already ids or the engine has no tokenizer."""
         if self.tokenizer is None or (isinstance(request.prompt, str) and not request.prompt):
             return request.prompt
-        return prompt_token_ids(self.tokenizer, request)  # what the prefix router hashes too
+        return prompt_token_ids(self.tokenizer, request, self.segments)  # what the prefix router hashes too
 
     async def abort(self, request_id: str) -> bool:
         return await self.async_llm.abort(request_id)

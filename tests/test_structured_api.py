@@ -23,6 +23,7 @@ from deployments.openai_api import build_app  # noqa: E402
 from deployments.protocol import ModelInfo  # noqa: E402
 from deployments.logprobs import TokenTexts  # noqa: E402
 from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
+from deployments.segment_tokens import SegmentCache  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -67,6 +68,7 @@ class LocalReplica(EngineReplica):
         self.metrics, self.num_requests = _NoMetrics(), 0
         self.admit_seconds, self.ttft_seconds, self.queue_seconds, self.num_ttft = 0.0, 0.0, 0.0, 0
         self._fingerprint = None  # no router in front: nothing comes tokenized
+        self.segments = SegmentCache(self.tokenizer)
         self.info = ModelInfo(model_id=MODEL, max_model_len=llm.engine.scheduler.max_model_len,
                               block_size=16, device="cpu", device_uuid=None)
         self.max_prompt_tokens = self.info.max_model_len
