@@ -134,6 +134,13 @@ def engine_arguments(settings: AppArgs, gpu: bool) -> dict:
     return arguments
 
 
+def engine_cpus(settings: AppArgs, gpu: bool) -> int:
+    """CPUs an engine replica asks Ray for: its own, and its engine process's (engine_process,
+    unset: on GPUs), which runs the step loop on a core of its own."""
+    in_child = settings.engine_process if settings.engine_process is not None else gpu
+    return 2 if in_child else 1
+
+
 def router_arguments(settings: AppArgs) -> dict:
     """request_router_kwargs for the chosen router (Serve's own takes none)."""
     if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
@@ -152,7 +159,8 @@ def build(args: AppArgs | dict | None = None):
     engine_deployment = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        ray_actor_options={"num_gpus": settings.replica_num_gpus if gpu else 0, "num_cpus": 1},
+        ray_actor_options={"num_gpus": settings.replica_num_gpus if gpu else 0,
+                           "num_cpus": engine_cpus(settings, gpu)},
         autoscaling_config=AutoscalingConfig(min_replicas=settings.min_replicas,
                                              max_replicas=settings.max_replicas,
                                              target_ongoing_requests=settings.target_ongoing_requests,

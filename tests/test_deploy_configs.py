@@ -103,6 +103,11 @@ def test_engine_arguments_reach_the_replica_constructor():
     assert engine_arguments(AppArgs(keep_prefix_cache=False), gpu=False)["keep_prefix_cache"] is False
     assert args["engine_process"] is None  # the replica decides: a child process where its engine is on a GPU
     assert engine_arguments(AppArgs(engine_process="false"), gpu=True)["engine_process"] is False
+    from deployments.app import engine_cpus
+
+    # The engine's process takes a core of its own: Ray places the replica counting it.
+    assert [engine_cpus(AppArgs(), gpu=True), engine_cpus(AppArgs(), gpu=False)] == [2, 1]
+    assert [engine_cpus(AppArgs(engine_process=False), gpu=True), engine_cpus(AppArgs(engine_process=True), gpu=False)] == [1, 2]
     assert engine_arguments(AppArgs(), gpu=True)["device"] == "cuda"
     assert args["model_id"] is None and args["model_alias"] == "SmolLM2-135M-Instruct"
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)
