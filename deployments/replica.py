@@ -64,7 +64,7 @@ class EngineReplica:
             model_alias = short
         served = model_id or root or model_alias or short
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
-                              device=str(self.llm.device), device_uuid=_device_uuid(self.llm), root=root,
+                              device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [])
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
@@ -286,16 +286,6 @@ def _in_serve() -> bool:
         return True
     except Exception:  # outside a replica (unit tests, local use)
         return False
-
-
-def _device_uuid(llm) -> str | None:
-    if isinstance(llm, ponytail.ProcessAsyncLLM):  # read in the engine's process: this one has no CUDA context
-        return llm.device_uuid
-    if llm.device.type != "cuda":
-        return None
-    import torch
-
-    return str(torch.cuda.get_device_properties(llm.device).uuid)
 
 
 def _on_gpu(device: str) -> bool:

@@ -12,6 +12,7 @@ counters and the prefix-cache events since the last message.
 
 from __future__ import annotations
 
+import pickle
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -28,6 +29,9 @@ ADD, ABORT, STOP = "add", "abort", "stop"
 READY, INIT_FAILED, NEWS, STEP_FAILED = "ready", "init_failed", "news", "step_failed"
 
 GRAMMAR_POLL_S = 0.002  # how often an otherwise idle loop looks at a compiling grammar
+# engine.stats() costs ~30 us: a busy loop sends it this often (the router reads it every 0.2 s),
+# and always once the engine is idle, so the last counters sent are the resting ones.
+STATS_PERIOD_S = 0.05
 
 
 @dataclass(slots=True, frozen=True)
@@ -53,7 +57,7 @@ class StepNews:
 
     deltas: list[tuple[str, int, str, list[int], bool, RequestOutput | None]]
     refused: list[tuple[str, BaseException]]  # requests the engine would not take, and why
-    stats: EngineStats
+    stats: EngineStats | None  # None: unchanged since the last message that had them (STATS_PERIOD_S)
     prefix_events: list[PrefixEvent]
     num_steps: int
     step_seconds: float
@@ -66,7 +70,7 @@ def run_engine_core(requests: Connection, news: Connection, llm_kwargs: dict, pr
         llm = LLM(**llm_kwargs)
         log = llm.publish_prefix_events(prefix_log_capacity) if prefix_log_capacity else None
         info = CoreInfo(tokenizer=llm.tokenizer, max_model_len=llm.max_model_len, block_size=llm.block_size,
-                        vocab_size=llm.vocab_size, device=str(llm.device), device_uuid=_device_uuid(llm.device),
+                        vocab_size=llm.vocab_size, device=str(llm.device), device_uuid=llm.device_uuid,
                         stats=llm.stats())
     except BaseException as exc:  # the parent raises it from its constructor
         news.send((INIT_FAILED, picklable(exc)))
@@ -86,6 +90,7 @@ class EngineCore:
         self.deltas: list[tuple] = []
         self.refused: list[tuple[str, BaseException]] = []
         self.num_steps, self.step_seconds = 0, 0.0
+        self.stats_sent = 0.0  # time.monotonic() of the last counters sent
 
     def run(self) -> None:
         engine = self.engine
@@ -201,8 +206,11 @@ class EngineCore:
         events = self.log.since(self.sent_seq) if self.log is not None else []
         if events:
             self.sent_seq = events[-1].seq
-        self.news.send((NEWS, StepNews(self.deltas, self.refused, self.engine.stats(), events, self.num_steps,
-                                       self.step_seconds)))
+        now = time.monotonic()
+        stats = None
+        if now - self.stats_sent >= STATS_PERIOD_S or not self.engine.has_unfinished():
+            stats, self.stats_sent = self.engine.stats(), now
+        self.news.send((NEWS, StepNews(self.deltas, self.refused, stats, events, self.num_steps, self.step_seconds)))
         self.deltas, self.refused = [], []
 
 
@@ -214,18 +222,9 @@ def _aborted_output(request: Request) -> RequestOutput:
 
 def picklable(exc: BaseException) -> BaseException:
     """`exc` if it crosses a pipe intact, else a RuntimeError with its type and message."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
-
-def _device_uuid(device) -> str | None:
-    if device.type != "cuda":
-        return None
-    import torch
-
-    return str(torch.cuda.get_device_properties(device).uuid)

@@ -142,6 +142,13 @@ class LLM:
         return self.engine.cache.config.device
 
     @property
+    def device_uuid(self) -> str | None:
+        """The GPU's UUID (which physical device this is, whatever CUDA_VISIBLE_DEVICES numbers it); None on the CPU."""
+        if self.device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(self.device).uuid)
+
+    @property
     def vocab_size(self) -> int:
         """Token ids this engine accepts: 0 .. vocab_size - 1."""
         return self.engine.vocab_size

@@ -83,7 +83,7 @@ class ProcessAsyncLLM(AsyncLLM):
 
     # ------------------------------------------------------------ what LLM offers a server
     def stats(self) -> EngineStats:
-        """The engine's counters as of its latest step (at most a step stale)."""
+        """The engine's counters as of its latest step, or STATS_PERIOD_S older while it runs."""
         return self._stats
 
     def publish_prefix_events(self, capacity: int) -> PrefixEventLog:
@@ -157,7 +157,9 @@ class ProcessAsyncLLM(AsyncLLM):
                 stream.put(payload)
 
     def _on_news(self, news: StepNews) -> None:
-        self._stats, self.num_steps, self.step_seconds = news.stats, news.num_steps, news.step_seconds
+        self.num_steps, self.step_seconds = news.num_steps, news.step_seconds
+        if news.stats is not None:
+            self._stats = news.stats
         if self._log is not None:
             self._log.extend(news.prefix_events)
         for request_id, exc in news.refused:
@@ -179,8 +181,6 @@ class ProcessAsyncLLM(AsyncLLM):
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put(RequestDelta(request_id, text, token_ids, finished, output, index))
-        for request_id in [r for r in self._outputs if r not in self._streams]:
-            del self._outputs[request_id]  # its consumer left: the child was told to abort it
 
     def _on_dead(self, error: EngineDeadError) -> None:
         self.dead = error

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_gpu_engine import small_model
 
 import ponytail
 from ponytail import SamplingParams
@@ -15,12 +15,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_the_engine_process_streams_plain_generates_tokens_on_gpu():
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
-                         num_key_value_heads=2, vocab_size=1000, max_position_embeddings=1024)
-    model = LlamaForCausalLM(config).to("cuda", torch.float32).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20)
+    model = small_model()
     rng = random.Random(0)
     prompts = [[rng.randrange(1, 1000) for _ in range(rng.randint(5, 300))] for _ in range(8)]
     expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
