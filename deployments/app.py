@@ -20,6 +20,7 @@ from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from .args import ROUTERS, AppArgs
+from .engine_api import EngineAPI
 from .http_guard import AccessPolicy
 from .limits import RequestLimits
 from .openai_api import BackendUnavailable, build_app
@@ -156,8 +157,9 @@ def build(args: AppArgs | dict | None = None):
     settings = args if isinstance(args, AppArgs) else AppArgs.model_validate(args or {})
     gpu = _wants_gpu(settings.device)
     settings = settings.for_device(gpu)
+    in_engines = settings.serves_api_in_engines
     engine_deployment = serve.deployment(
-        EngineReplica,
+        EngineAPI if in_engines else EngineReplica,
         name="EngineReplica",
         ray_actor_options={"num_gpus": settings.replica_num_gpus if gpu else 0,
                            "num_cpus": engine_cpus(settings, gpu)},
@@ -168,12 +170,15 @@ def build(args: AppArgs | dict | None = None):
         max_ongoing_requests=settings.replica_max_ongoing_requests,
         graceful_shutdown_timeout_s=settings.shutdown_timeout_s,
         max_queued_requests=settings.max_queued_requests,
+        backpressure_config=BackpressureConfig(retry_after_s=settings.retry_after_s),
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[settings.router],
                                                   request_routing_stats_period_s=settings.stats_period_s,
                                                   request_routing_stats_timeout_s=settings.stats_period_s,
                                                   request_router_kwargs=router_arguments(settings)),
     )
     engine_args = engine_arguments(settings, gpu)
+    if in_engines:  # the proxy reaches the engine replicas directly; its router places by free blocks
+        return engine_deployment.bind(**engine_args, limits=settings.limits(), access=settings.access())
     # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
     # holds its slot while it streams). The ingress takes more than the engines can run and queue,
     # so overload meets the engines' bound and gets the API's 503 (a refusal frees its slot at

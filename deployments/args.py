@@ -60,7 +60,8 @@ class AppArgs(BaseModel):
     block_size: int = Field(DEFAULT_BLOCK_SIZE, description="tokens per KV block")
     min_replicas: int = Field(1, description="engine replicas Serve's autoscaler keeps at least")
     max_replicas: int = Field(2, description="engine replicas Serve's autoscaler starts at most")
-    ingress_replicas: int = Field(1, description="OpenAI ingress replicas (HTTP, SSE, a Ray message per "
+    ingress_replicas: int = Field(1, description="OpenAI ingress replicas, more than 1: a separate ingress "
+                                  "deployment (api_in_engines off; HTTP, SSE, a Ray message per "
                                   "stream per delta): more spread many streams' per-delta work over processes; "
                                   "each takes one CPU and queues up to max_queued_requests toward the engines")
     target_ongoing_requests: float | None = Field(
@@ -87,6 +88,15 @@ class AppArgs(BaseModel):
     engine_process: bool | None = Field(None, description="run each replica's engine step loop in a process of its "
                                         "own (vLLM's engine core), so streaming does not slow the steps; unset: on "
                                         "for GPUs")
+    api_in_engines: bool | None = Field(None, description="serve the OpenAI API from the engine replicas "
+                                        "themselves (proxy -> engine replica: one Ray hop per stream message) "
+                                        "instead of a separate ingress deployment (two hops); unset: on, except "
+                                        "with router prefix (it reads each prompt before placing it) or "
+                                        "ingress_replicas > 1")
+    prefill_delay_factor: float | None = Field(
+        None, description="while requests decode, new prompts wait until the oldest has waited this many times the "
+                          "last prefill step (at most 0.1 s) and then share one step: steps with a prefill run "
+                          "without CUDA graphs; unset: 1.0 with CUDA graphs (GPUs), 0 on CPUs")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
@@ -111,7 +121,7 @@ class AppArgs(BaseModel):
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
                                                 "block_size", "compile_model", "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
-                                                "keep_prefix_cache", "engine_process")
+                                                "keep_prefix_cache", "engine_process", "prefill_delay_factor")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 
@@ -129,7 +139,7 @@ class AppArgs(BaseModel):
             raise ValueError(f"router={value!r} is not supported; allowed: {', '.join(ROUTERS)}")
         return value
 
-    @field_validator("compile_model", "engine_process", mode="before")
+    @field_validator("compile_model", "engine_process", "api_in_engines", mode="before")
     @classmethod
     def _on_off_or_auto(cls, value: object, info: ValidationInfo) -> object:
         # pydantic would take "yes" or 1 as true; keep app.yaml's booleans booleans ("true" from the
@@ -139,6 +149,14 @@ class AppArgs(BaseModel):
         if str(value).lower() in ("null", "none"):
             return None
         raise ValueError(f"{info.field_name}={value!r} is not supported; allowed: true, false, null (on for GPUs)")
+
+    @field_validator("prefill_delay_factor")
+    @classmethod
+    def _prefill_delay(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"prefill_delay_factor={value:g} is not supported; allowed: a number >= 0 (0: prompts "
+                             "never wait), or null (1.0 on GPUs)")
+        return value
 
     @field_validator("max_hold_s")
     @classmethod
@@ -215,6 +233,12 @@ class AppArgs(BaseModel):
         if self.gpu_memory_utilization is not None and self.kv_cache_memory is not None:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory!r} and gpu_memory_utilization="
                              f"{self.gpu_memory_utilization!r}: allowed: one of them")
+        if self.api_in_engines and (self.router == "prefix" or self.ingress_replicas > 1):
+            raise ValueError(f"api_in_engines=true with router={self.router!r}, ingress_replicas="
+                             f"{self.ingress_replicas}: the prefix router places a request by its prompt, which "
+                             "Serve's proxy does not show a router, and ingress replicas need the separate "
+                             "ingress; allowed: api_in_engines false or null with router prefix or "
+                             "ingress_replicas > 1")
         self.limits()  # ValueError naming a bad limit
         return self
 
@@ -231,6 +255,14 @@ class AppArgs(BaseModel):
         seqs = self.max_num_seqs or (GPU_MAX_NUM_SEQS if gpu else CPU_MAX_NUM_SEQS)
         target = self.target_ongoing_requests or (seqs if gpu else CPU_TARGET_ONGOING)
         return self.model_copy(update={"max_num_seqs": seqs, "target_ongoing_requests": target})
+
+    @property
+    def serves_api_in_engines(self) -> bool:
+        """Whether the engine replicas serve HTTP themselves (api_in_engines; unset: unless router prefix
+        or ingress_replicas > 1 ask for the separate ingress)."""
+        if self.api_in_engines is not None:
+            return self.api_in_engines
+        return self.router != "prefix" and self.ingress_replicas == 1
 
     @property
     def replica_num_gpus(self) -> float:

@@ -8,36 +8,11 @@ from contextlib import contextmanager
 
 import uvicorn
 
+from .engine_api import ReplicaBackend
 from .openai_api import build_app
 from .replica import EngineReplica
 
 WAIT_S = 10.0
-
-
-class LocalBackend:
-    """openai_api's Backend over an EngineReplica called directly (what the Serve ingress does
-    through a handle)."""
-
-    def __init__(self, replica: EngineReplica):
-        self.replica = replica
-
-    async def model_info(self):
-        return await self.replica.model_info()
-
-    def stream(self, request):
-        return self.replica.generate(request)
-
-    async def abort(self, request_id: str) -> None:
-        await self.replica.abort(request_id)
-
-    async def engine_stats(self):
-        return {"local": self.replica.llm.stats()}
-
-    async def tokenize(self, prompt, messages):
-        return await self.replica.tokenize(prompt, messages)
-
-    async def detokenize(self, token_ids):
-        return await self.replica.detokenize(token_ids)
 
 
 @contextmanager
@@ -46,7 +21,7 @@ def local_server(port: int = 0, **replica_args):
     defaults: the default model on the CPU, 64 MiB of KV cache."""
     replica = EngineReplica(**{"device": "cpu", "kv_cache_memory": "64MiB", "max_num_seqs": 8,
                                "max_model_len": 1024, **replica_args})
-    with serve_on_loopback(build_app(LocalBackend(replica)), port) as url:
+    with serve_on_loopback(build_app(ReplicaBackend(replica)), port) as url:
         yield replica, url
 
 

@@ -52,9 +52,26 @@ def test_the_ingress_scales_to_ingress_replicas():
     from deployments.app import build
 
     # Serve's Application keeps its ingress deployment here; no public accessor exists.
-    assert build({"device": "cpu"})._bound_deployment.num_replicas == 1
     ingress = build({"device": "cpu", "ingress_replicas": "3"})._bound_deployment
     assert (ingress.name, ingress.num_replicas) == ("OpenAIIngress", 3)
+    assert build({"device": "cpu", "api_in_engines": False})._bound_deployment.name == "OpenAIIngress"
+
+
+def test_the_engine_replicas_serve_the_api_unless_the_router_or_ingress_replicas_need_an_ingress():
+    from deployments.app import AppArgs, build
+    from deployments.engine_api import EngineAPI
+
+    app = build({"device": "cpu"})._bound_deployment
+    assert app.name == "EngineReplica" and issubclass(app.func_or_class, EngineAPI)
+    assert AppArgs().serves_api_in_engines and not AppArgs(router="prefix").serves_api_in_engines
+    assert not AppArgs(ingress_replicas=2).serves_api_in_engines
+    assert build({"device": "cpu", "router": "prefix"})._bound_deployment.name == "OpenAIIngress"
+    for clash in ({"router": "prefix"}, {"ingress_replicas": 2}):
+        with pytest.raises(ValueError, match=r"api_in_engines=true with router=.*allowed: api_in_engines false or "
+                                             r"null with router prefix or ingress_replicas > 1"):
+            AppArgs(api_in_engines=True, **clash)
+    with pytest.raises(ValueError, match=r"prefill_delay_factor=-1 is not supported; allowed: a number >= 0"):
+        AppArgs(prefill_delay_factor=-1)
 
 
 def test_app_args_are_typed_from_strings_and_refuse_unknown_names():

@@ -1,5 +1,7 @@
 """Overload and access through real Ray Serve (CPU): past the bounds on waiting work the API answers
-503 with Retry-After in OpenAI's shape, never 500; the API key guards every /v1 route."""
+503 with Retry-After, never 500; the API key guards every /v1 route. Both shapes of the app: the
+engine replicas serving the API (the default; Serve's proxy refuses past their queue, in its own
+words) and a separate ingress (the engines' refusal becomes a 503 in OpenAI's shape)."""
 
 import concurrent.futures
 import json
@@ -21,12 +23,12 @@ pytestmark = pytest.mark.network  # the default model
 KEY = "sk-serve-test"
 
 
-@pytest.fixture(scope="module")
-def app(default_model):
+@pytest.fixture(scope="module", params=[True, False], ids=["api_in_engines", "separate_ingress"])
+def app(default_model, request):
     # One replica running at most 2 requests at a time, 2 more may wait for it: the rest are refused.
-    with running_app(min_replicas=1, max_replicas=1, max_num_seqs=2, max_ongoing_requests=2,
-                     max_queued_requests=2, retry_after_s=2, api_key=KEY) as (_, port):
-        yield f"http://127.0.0.1:{port}"
+    with running_app(min_replicas=1, max_replicas=1, max_num_seqs=2, max_ongoing_requests=2, max_queued_requests=2,
+                     retry_after_s=2, api_key=KEY, api_in_engines=request.param) as (_, port):
+        yield f"http://127.0.0.1:{port}", request.param
 
 
 def post(url, body, key=KEY):
@@ -51,6 +53,7 @@ def stream_completion_tokens(url: str, body: dict, started: threading.Event) -> 
 
 
 def test_overload_is_a_503_with_retry_after_never_a_500(app):
+    app, in_engines = app
     body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 48, "temperature": 0.8, "ignore_eos": True}
     long_body = {**body, "max_tokens": 160}
     # Two requests fill the replica before the burst. Ray counts a request as queued until a replica
@@ -66,7 +69,11 @@ def test_overload_is_a_503_with_retry_after_never_a_500(app):
     assert set(statuses) <= {200, 503}, [r.text for r in responses if r.status_code == 500]
     assert statuses.count(200) >= 2 and statuses.count(503) >= 1, statuses
     for r in responses:
-        if r.status_code == 503:
+        if r.status_code == 503 and in_engines:  # Serve's proxy: its queue for the engine replicas is full
+            assert r.text.startswith("Request dropped due to backpressure (num_queued_requests=2, "
+                                     "max_queued_requests=2)")
+            assert r.headers["retry-after"] == "2"
+        elif r.status_code == 503:
             error = r.json()["error"]
             assert error["type"] == "service_unavailable_error" and error["code"] == "service_unavailable"
             assert error["message"].startswith("all engine replicas are busy (Request dropped due to backpressure "
@@ -80,6 +87,7 @@ def test_overload_is_a_503_with_retry_after_never_a_500(app):
 
 
 def test_streams_past_the_bound_get_a_503_before_any_event(app):
+    app, _ = app
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 32, "stream": True}
     extra = {"extra_body": {"ignore_eos": True}}
     with openai.OpenAI(base_url=f"{app}/v1", api_key=KEY, max_retries=0, timeout=180) as client:
@@ -96,6 +104,7 @@ def test_streams_past_the_bound_get_a_503_before_any_event(app):
 
 
 def test_the_api_key_is_checked_through_serve(app):
+    app, _ = app
     r = post(app, {"prompt": "hi", "max_tokens": 1}, key=None)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     r = post(app, {"prompt": "hi", "max_tokens": 1}, key="sk-wrong")

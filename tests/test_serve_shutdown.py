@@ -1,5 +1,7 @@
-"""Shutting the app down (CPU, real Serve) ends every open stream with an error event and [DONE]:
-engine replicas stop after shutdown_timeout_s, the ingress outlives them and closes each stream."""
+"""Shutting the app down (CPU, real Serve). With a separate ingress every open stream ends with an
+error event and [DONE]: engine replicas stop after shutdown_timeout_s, the ingress outlives them and
+closes each stream. With the engine replicas serving the API (the default) nothing outlives them:
+after shutdown_timeout_s the stream is cut, as vLLM's and Ray Serve LLM's are, never left hanging."""
 
 import json
 import threading
@@ -22,7 +24,7 @@ pytestmark = pytest.mark.network  # the default model
 
 
 def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
-    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3) as (_, port):
+    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3, api_in_engines=False) as (_, port):
         body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
                 "stream": True}
         events, deleting = [], None
@@ -45,3 +47,29 @@ def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
                                     "or the replica failed); retry later")
         assert all("choices" in json.loads(e) for e in events[:-2])  # text until then
         print(f"stream ended {ended_in:.1f} s after the delete began (engines' shutdown_timeout_s: 3)")
+
+
+def test_shutdown_cuts_open_streams_after_shutdown_timeout_s_when_engines_serve_the_api(default_model):
+    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3, api_in_engines=True) as (_, port):
+        body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
+        events, deleting, cut = [], None, None
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[len("data: "):])
+                    if len(events) == 3:
+                        started = time.monotonic()
+                        deleting = threading.Thread(target=serve.delete, args=("ponytail",), daemon=True)
+                        deleting.start()
+        except httpx.RemoteProtocolError as exc:  # the replica went away mid-body
+            cut = exc
+        ended_in = time.monotonic() - started
+        deleting.join(timeout=60)
+        assert not deleting.is_alive()
+        assert cut is not None and "incomplete chunked read" in str(cut), events[-2:]
+        assert "[DONE]" not in events and all("choices" in json.loads(e) for e in events)  # text until then
+        print(f"stream cut {ended_in:.1f} s after the delete began (engines' shutdown_timeout_s: 3)")
