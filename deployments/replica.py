@@ -33,7 +33,8 @@ class EngineReplica:
                  model_id: str | None = None, compile_model: bool | None = None, stream_interval_s: float = 0.0,
                  gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
                  model_alias: str | None = None, max_deltas_per_s: float | None = None,
-                 keep_prefix_cache: bool = True, engine_process: bool | None = None):
+                 keep_prefix_cache: bool = True, engine_process: bool | None = None,
+                 prefill_delay_factor: float | None = None):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -41,7 +42,8 @@ class EngineReplica:
         process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU."""
         llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
-                          gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache)
+                          gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
+                          prefill_delay_factor=prefill_delay_factor)
         if engine_process is None:
             engine_process = _on_gpu(device)
         # Merged deltas: one Ray message per stream per interval, not one per token. In one process

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 from typing import Any
 
@@ -58,6 +59,10 @@ class LLM:
     cached prompt prefixes (a chat's next turn, a document asked about again finds them); they go
     back with the rest of the spare memory after kv_release_after_s without requests. Off (the
     default offline): the pool holds what running requests need and caches prefixes in what is left.
+    prefill_delay_factor: while requests decode, new prompts wait until the oldest has waited this
+    many times the last prefill step (at most 0.1 s), so prompts arriving close together share one
+    step without CUDA graphs and the decode steps between replay them (engine/scheduler.py); None:
+    1.0 where CUDA graphs are on, 0 (no wait) elsewhere.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -66,7 +71,8 @@ class LLM:
                  enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
-                 context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False):
+                 context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False,
+                 prefill_delay_factor: float | None = None):
         loaded_here = model is None or isinstance(model, str)
         if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -100,6 +106,13 @@ class LLM:
         elif not isinstance(context_aware_chunks, bool):
             raise ConfigError(f"context_aware_chunks={context_aware_chunks!r} must be True, False or None "
                               "(None: on for the CPU, off on CUDA devices)")
+        if prefill_delay_factor is None:
+            prefill_delay_factor = 1.0 if cuda_graphs else 0.0  # without graphs every step costs alike
+        elif isinstance(prefill_delay_factor, bool) or not (isinstance(prefill_delay_factor, (int, float))
+                                                            and math.isfinite(prefill_delay_factor)
+                                                            and prefill_delay_factor >= 0):
+            raise ConfigError(f"prefill_delay_factor={prefill_delay_factor!r} is not supported; allowed: a number "
+                              ">= 0 (0: prompts never wait), or None (1.0 with CUDA graphs)")
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
@@ -118,7 +131,8 @@ class LLM:
         self.engine = LLMEngine(model, tokenizer, cache, max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model, async_scheduling=async_scheduling,
-                                context_cost=context_cost(text_config) if context_aware_chunks else 0.0)
+                                context_cost=context_cost(text_config) if context_aware_chunks else 0.0,
+                                prefill_delay_factor=float(prefill_delay_factor))
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 

@@ -11,11 +11,20 @@ the late chunks of a long prompt get fewer tokens; decode rows count one token e
 that could never fit is refused when it is added, so the queue cannot deadlock. A request with
 several samples (n > 1, best_of) is admitted alone but takes running slots for all of them; the
 engine forks the others when its prefill ends and hands them over with `adopt`.
+
+prefill_delay_factor (vLLM v0's scheduler_delay_factor): a step that carries a prefill runs its
+forward pass without CUDA graphs, several times as long as a decode step for a small model. Under
+streaming traffic a prompt arrives every step or two, so without a delay nearly every step is one
+of those. While requests decode, new prompts wait until the oldest has waited factor x the last
+prefill step's duration (at most MAX_PREFILL_DELAY_S): prompts that arrive close together share
+one such step, and the decode steps between them replay graphs.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError, ContextLengthError
@@ -25,6 +34,9 @@ from .chunk_cost import chunk_cost, chunk_tokens
 from .request import Request, RequestStatus
 from .stats import BlockPromises
 from ..utils.arith import cdiv
+
+
+MAX_PREFILL_DELAY_S = 0.1  # the most a prompt is held for others to join it (a TTFT cost)
 
 
 @dataclass(slots=True)
@@ -38,8 +50,13 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0):
+                 max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
+                 prefill_delay_factor: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.cache = cache
+        self.prefill_delay_factor = prefill_delay_factor
+        self.clock = clock  # the clock of Request.metrics.arrival_time
+        self.prefill_step_s = 0.0  # how long the last step with a prefill took (schedule call to the next)
+        self._prefill_scheduled_at: float | None = None
         self.context_cost = context_cost  # chunk_cost.context_cost, or 0: every token counts one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -107,6 +124,10 @@ class Scheduler:
         a running request needs a block the pool cannot give, None is returned. The slots
         reserved until then stay reserved; calling again later schedules from there.
         """
+        now = self.clock() if self.prefill_delay_factor else 0.0
+        if self._prefill_scheduled_at is not None:
+            self.prefill_step_s = now - self._prefill_scheduled_at
+            self._prefill_scheduled_at = None
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted = False
@@ -126,9 +147,19 @@ class Scheduler:
             chunks.append(chunk)
             budget -= used
             i += 1
-        if not preempted:
+        if not preempted and not self._hold_prompts(chunks, now):
             self._admit(chunks, budget)
+        if self.prefill_delay_factor and any(chunk.num_tokens > 1 for chunk in chunks):
+            self._prefill_scheduled_at = now
         return SchedulerOutput(chunks=chunks)
+
+    def _hold_prompts(self, chunks: list[ScheduledChunk], now: float) -> bool:
+        """Whether waiting prompts sit out this step: it is all decode rows (a graph step), and the
+        oldest prompt has waited less than prefill_delay_factor x the last prefill step."""
+        if not (self.prefill_delay_factor and self.waiting and chunks) or any(c.num_tokens > 1 for c in chunks):
+            return False
+        delay = min(self.prefill_delay_factor * self.prefill_step_s, MAX_PREFILL_DELAY_S)
+        return now - self.waiting[0].metrics.arrival_time < delay
 
     def _reserve_next(self, request: Request) -> bool:
         """Slots for tokens the request has but the cache has not reserved (the last sampled one)."""
