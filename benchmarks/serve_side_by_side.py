@@ -49,10 +49,10 @@ def ponytail_config(model: str, overrides: dict[str, str]) -> dict:
 
 
 def parse_server(spec: str) -> tuple[str, dict[str, str]]:
-    """'ponytail:engine_process=false,compile_model=true' -> ('ponytail', {...}); 'vllm' -> ('vllm', {})."""
+    """'ponytail:engine_process=false;compile_model=true' -> ('ponytail', {...}); 'vllm' -> ('vllm', {})."""
     kind, _, rest = spec.partition(":")
     if kind not in ("ponytail", "vllm"):
-        raise argparse.ArgumentTypeError(f"--servers {spec!r}: expected ponytail[:arg=value,...] or vllm")
+        raise argparse.ArgumentTypeError(f"--servers {spec!r}: expected ponytail[:arg=value;...] or vllm")
     overrides = {}
     for item in filter(None, rest.split(";")):
         name, sep, value = item.partition("=")

@@ -34,6 +34,7 @@ INGRESS_SHUTDOWN_EXTRA_S = 10.0  # the ingress's graceful shutdown outlasts the 
 # requests at once: with small engine bounds, the proxy's view of the ingress's load lags on a busy
 # host and its backstop queue (plain-text 503) filled before the engines' JSON 503 could answer.
 INGRESS_MIN_ONGOING_REQUESTS = 1024
+API_ROUTE_ROOM = 64  # requests beyond its streams an engine replica serving the API takes (health, models, metrics)
 
 
 @serve.deployment(name="OpenAIIngress")
@@ -178,7 +179,16 @@ def build(args: AppArgs | dict | None = None):
     )
     engine_args = engine_arguments(settings, gpu)
     if in_engines:  # the proxy reaches the engine replicas directly; its router places by free blocks
-        return engine_deployment.bind(**engine_args, limits=settings.limits(), access=settings.access())
+        # Streams are bounded in the replica (StreamGate: its own 503 in OpenAI's shape); Serve's
+        # bound on all its requests leaves room for /health, /v1/models and /metrics beside them,
+        # and its queue (requests count as queued until a replica takes them, so a burst fills it
+        # at once) is a backstop as the ingress's is (Serve's plain 503, same Retry-After).
+        streams, waiting = settings.replica_max_ongoing_requests, settings.max_queued_requests
+        ongoing = streams + waiting + API_ROUTE_ROOM
+        engine_deployment = engine_deployment.options(max_ongoing_requests=ongoing,
+                                                      max_queued_requests=2 * settings.max_replicas * ongoing)
+        return engine_deployment.bind(**engine_args, limits=settings.limits(), access=settings.access(),
+                                      max_streams=streams, max_waiting=waiting, retry_after_s=settings.retry_after_s)
     # Serve's default of 5 ongoing requests per replica would cap the whole app at 5 streams (each
     # holds its slot while it streams). The ingress takes more than the engines can run and queue,
     # so overload meets the engines' bound and gets the API's 503 (a refusal frees its slot at
