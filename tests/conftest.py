@@ -1,5 +1,12 @@
+import faulthandler
+import sys
+
 import pytest
 import torch
+
+# pytest's faulthandler covers the tests only; a crash while the interpreter exits (a library's
+# thread outliving the suite) should still say where it happened. CI saw one SIGSEGV there once.
+faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 from ponytail.models.loader import default_model_available
 
