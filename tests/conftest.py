@@ -49,3 +49,15 @@ def _default_model_attention_restored(request):
     yield
     if model.config._attn_implementation != before:
         model.set_attn_implementation(before)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(default_model):
+    """(model, tokenizer): a 2-layer random Llama with the default model's tokenizer, for engine
+    tests where the model's output does not matter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=len(default_model[1]), max_position_embeddings=2048)
+    return LlamaForCausalLM(config).eval(), default_model[1]

@@ -2,7 +2,6 @@
 counts its attention over cached context, decode rows count one token each."""
 
 import pytest
-import torch
 from hypothesis import given, settings, strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,14 +39,6 @@ def test_chunk_tokens_is_the_largest_chunk_within_the_budget(want, start, budget
 def test_a_chunk_moves_on_even_when_one_token_costs_more_than_the_budget():
     assert chunk_tokens(500, 10_000_000, 4, 1 / 3072) == 1
     assert chunk_tokens(500, 0, 0, 1 / 3072) == 0
-
-
-@pytest.fixture(scope="module")
-def tiny_model(default_model):
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(default_model[1]), max_position_embeddings=2048)
-    return LlamaForCausalLM(config).eval(), default_model[1]
 
 
 def recording(scheduler):

@@ -3,8 +3,6 @@ oldest has waited factor x the last prefill step, so prompts arriving close toge
 step without CUDA graphs. The scheduler's clock is injected: no test here sleeps or times anything."""
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
@@ -17,14 +15,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture(scope="module")
-def tiny_model(default_model):
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=len(default_model[1]), max_position_embeddings=1024)
-    return LlamaForCausalLM(config).eval(), default_model[1]
 
 
 def engine_with_clock(tiny_model, factor):

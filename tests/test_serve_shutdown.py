@@ -23,11 +23,13 @@ from serve_support import MODEL, running_app  # noqa: E402
 pytestmark = pytest.mark.network  # the default model
 
 
-def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
-    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3, api_in_engines=False) as (_, port):
-        body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}
-        events, deleting = [], None
+def stream_while_deleting(port: int) -> tuple[list[str], Exception | None, float]:
+    """Streams a long completion and deletes the app after its third event: (the events' data,
+    the error that ended the read or None, seconds from the delete's start to the stream's end)."""
+    body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}
+    events, deleting, cut = [], None, None
+    try:
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
@@ -38,8 +40,18 @@ def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
                     started = time.monotonic()
                     deleting = threading.Thread(target=serve.delete, args=("ponytail",), daemon=True)
                     deleting.start()
-        ended_in = time.monotonic() - started
-        deleting.join(timeout=60)
+    except httpx.RemoteProtocolError as exc:  # the replica went away mid-body
+        cut = exc
+    ended_in = time.monotonic() - started
+    deleting.join(timeout=60)
+    assert not deleting.is_alive()
+    return events, cut, ended_in
+
+
+def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
+    with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3, api_in_engines=False) as (_, port):
+        events, cut, ended_in = stream_while_deleting(port)
+        assert cut is None
         assert events[-1] == "[DONE]"
         error = json.loads(events[-2])["error"]
         assert error["code"] == "service_unavailable"
@@ -51,25 +63,7 @@ def test_shutdown_ends_open_streams_with_an_error_event_and_done(default_model):
 
 def test_shutdown_cuts_open_streams_after_shutdown_timeout_s_when_engines_serve_the_api(default_model):
     with running_app(min_replicas=1, max_replicas=1, shutdown_timeout_s=3, api_in_engines=True) as (_, port):
-        body = {"model": MODEL, "prompt": "Tell me a very long story.", "max_tokens": 2000, "ignore_eos": True,
-                "stream": True}
-        events, deleting, cut = [], None, None
-        try:
-            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120) as response:
-                assert response.status_code == 200
-                for line in response.iter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    events.append(line[len("data: "):])
-                    if len(events) == 3:
-                        started = time.monotonic()
-                        deleting = threading.Thread(target=serve.delete, args=("ponytail",), daemon=True)
-                        deleting.start()
-        except httpx.RemoteProtocolError as exc:  # the replica went away mid-body
-            cut = exc
-        ended_in = time.monotonic() - started
-        deleting.join(timeout=60)
-        assert not deleting.is_alive()
+        events, cut, ended_in = stream_while_deleting(port)
         assert cut is not None and "incomplete chunked read" in str(cut), events[-2:]
         assert "[DONE]" not in events and all("choices" in json.loads(e) for e in events)  # text until then
         print(f"stream cut {ended_in:.1f} s after the delete began (engines' shutdown_timeout_s: 3)")

@@ -130,7 +130,7 @@ class Scheduler:
             self._prefill_scheduled_at = None
         budget = self.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
-        preempted = False
+        preempted = prefilling = False
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -145,18 +145,20 @@ class Scheduler:
                 continue  # retry the same request (or stop if it was the victim)
             chunk, used = self._next_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
             chunks.append(chunk)
+            prefilling = prefilling or chunk.num_tokens > 1
             budget -= used
             i += 1
-        if not preempted and not self._hold_prompts(chunks, now):
+        running = len(chunks)
+        if not preempted and not self._hold_prompts(chunks, prefilling, now):
             self._admit(chunks, budget)
-        if self.prefill_delay_factor and any(chunk.num_tokens > 1 for chunk in chunks):
+        if self.prefill_delay_factor and (prefilling or any(c.num_tokens > 1 for c in chunks[running:])):
             self._prefill_scheduled_at = now
         return SchedulerOutput(chunks=chunks)
 
-    def _hold_prompts(self, chunks: list[ScheduledChunk], now: float) -> bool:
+    def _hold_prompts(self, chunks: list[ScheduledChunk], prefilling: bool, now: float) -> bool:
         """Whether waiting prompts sit out this step: it is all decode rows (a graph step), and the
         oldest prompt has waited less than prefill_delay_factor x the last prefill step."""
-        if not (self.prefill_delay_factor and self.waiting and chunks) or any(c.num_tokens > 1 for c in chunks):
+        if not (self.prefill_delay_factor and self.waiting and chunks) or prefilling:
             return False
         delay = min(self.prefill_delay_factor * self.prefill_step_s, MAX_PREFILL_DELAY_S)
         return now - self.waiting[0].metrics.arrival_time < delay
