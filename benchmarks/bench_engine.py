@@ -29,7 +29,9 @@ at max_seq_len (--capacity-max-len) holds in the same budget.
 opening, one prompt in six 1-2k tokens long) and reports the time of each engine step.
 
 --peers with vllm, --workload other than fixed, or --model: the side-by-side mode of peer_bench.py
-(workloads in peer_workloads.py; vLLM in its own process, vllm_peer.py).
+(workloads in peer_workloads.py; vLLM in its own process, vllm_peer.py). There a Ponytail peer may
+carry LLM arguments, to compare a setting with the defaults on the same requests in one run:
+--peers "ponytail,ponytail:max_num_batched_tokens=16384,vllm".
 """
 
 from __future__ import annotations
@@ -281,7 +283,9 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=1024)
     parser.add_argument("--peers", default="plain,generate_batch,ponytail",
                         help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled; side by "
-                             "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm")
+                             "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm, and any of "
+                             "the three ponytail ones with LLM arguments, e.g. "
+                             "'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0'")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
@@ -293,8 +297,12 @@ def main() -> int:
     peer_bench.add_arguments(parser)
     args = parser.parse_args()
     peers = args.peers.split(",")
-    unknown = sorted(set(peers) - {"plain", "generate_batch", "ponytail", "ponytail_compiled", "ponytail_eager",
-                                   "vllm"})
+    try:
+        with_args = [p for p in peers if peer_bench.parse_peer(p)[1]]
+    except ValueError as exc:
+        parser.error(str(exc))
+    unknown = sorted(set(peers) - set(with_args) - {"plain", "generate_batch", "ponytail", "ponytail_compiled",
+                                                   "ponytail_eager", "vllm"})
     if unknown:
         parser.error(f"--peers: unknown {unknown}; allowed: plain, generate_batch, ponytail, ponytail_compiled, "
                      f"ponytail_eager, vllm")

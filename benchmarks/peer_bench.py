@@ -13,6 +13,7 @@ fails is not timed; `--check-tokens 0` skips the check and says so.
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import os
 import sys
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -35,6 +37,30 @@ from vllm_peer import read_results, run_vllm
 
 # peer -> compile_model; None: what LLM(dir) chooses (see compile_for)
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
+
+
+def parse_peer(peer: str) -> tuple[str, dict]:
+    """'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0' -> ('ponytail', {LLM kwargs});
+    values are YAML scalars. A plain name comes back with no kwargs. Raises ValueError, naming the
+    argument, for a kwarg LLM does not take or one the benchmark sets itself."""
+    base, sep, rest = peer.partition(":")
+    if not sep:
+        return peer, {}
+    if base not in VARIANTS:
+        raise ValueError(f"--peers {peer!r}: LLM arguments go after one of {', '.join(VARIANTS)}, not {base!r}")
+    allowed = set(inspect.signature(ponytail.LLM.__init__).parameters) - _SET_HERE - {"self"}
+    kwargs = {}
+    for item in filter(None, rest.split(";")):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in allowed:
+            raise ValueError(f"--peers {peer!r}: expected name=value with a name LLM takes; got {item!r} "
+                             f"(allowed: {', '.join(sorted(allowed))})")
+        kwargs[name] = yaml.safe_load(value)
+    return base, kwargs
+
+
+# LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
+_SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +78,7 @@ class Replayed:
 def compile_for(peer: str, model) -> bool:
     """compile_model for a peer. The model object is handed to LLM here, where LLM's default
     leaves it eager; "ponytail" gets what `LLM(dir)` chooses when it loads the model itself."""
-    chosen = VARIANTS[peer]
+    chosen = VARIANTS[parse_peer(peer)[0]]
     if chosen is None:
         return next(model.parameters()).device.type == "cuda" and can_compile(model)
     return chosen
@@ -87,10 +113,12 @@ def ponytail_start(model_arg: str, first_prompt: list[int], dtype) -> tuple[dict
     return {"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0}, model, tokenizer
 
 
-def check_ponytail(model, tokenizer, prompts, steps, compile_model):
+def check_ponytail(model, tokenizer, prompts, steps, compile_model, llm_args: dict):
     def generate(batch, params):  # builds, runs and drops its engine, as check_outputs asks
-        llm = ponytail.LLM(model, tokenizer=tokenizer, max_num_seqs=len(batch),
-                           max_model_len=max(len(p) for p in batch) + steps, compile_model=compile_model)
+        sized = {"max_num_seqs": len(batch), "max_model_len": max(len(p) for p in batch) + steps}
+        if "max_num_batched_tokens" in llm_args:  # LLM refuses a budget below max_num_seqs
+            sized["max_num_seqs"] = min(len(batch), llm_args["max_num_batched_tokens"])
+        llm = ponytail.LLM(model, tokenizer=tokenizer, compile_model=compile_model, **{**llm_args, **sized})
         try:
             return llm.generate(batch, params)
         finally:
@@ -119,12 +147,12 @@ def verdict_line(peer: str, verdict) -> str:
     return line
 
 
-def run_ponytail(model, tokenizer, work, compile_model, kv_memory, warmup) -> dict:
-    """One workload on a fresh engine with Ponytail's defaults (a short unrelated request first)."""
+def run_ponytail(model, tokenizer, work, compile_model, kv_memory, warmup, llm_args: dict) -> dict:
+    """One workload on a fresh engine with Ponytail's defaults but llm_args (a short unrelated request first)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, compile_model=compile_model)
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, compile_model=compile_model, **llm_args)
     try:
         llm.generate([warmup], greedy(2))
         sync()
@@ -182,14 +210,15 @@ def add_arguments(parser) -> None:
 
 
 def side_by_side(parser, args, peers: list[str]) -> bool:
-    """Whether bench_engine runs this mode (vllm among the peers, a workload other than fixed, or
-    --model); refuses what the mode cannot run. args.workload becomes a list of names."""
+    """Whether bench_engine runs this mode (vllm among the peers, a workload other than fixed,
+    --model, or a peer with LLM arguments); refuses what the mode cannot run. args.workload becomes
+    a list of names."""
     workloads = list(peer_workloads.WORKLOADS) if args.workload == "all" else args.workload.split(",")
     if not workloads or set(workloads) - set(peer_workloads.WORKLOADS):
         parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
                      f"(comma-separated), or all")
     args.workload = workloads
-    if not ("vllm" in peers or workloads != ["fixed"] or args.model):
+    if not ("vllm" in peers or workloads != ["fixed"] or args.model or any(":" in p for p in peers)):
         return False
     in_process = sorted(set(peers) & {"plain", "generate_batch"})
     if in_process or args.capacity:
@@ -243,14 +272,16 @@ def run(args, peers: list[str]) -> int:
             print(f"vllm: skipped: {vllm['error']}")
             report["skipped"]["vllm"] = vllm["error"]
             vllm = None
-            if not any(p in VARIANTS for p in peers):
+            if peers == ["vllm"]:
                 return 1  # nothing left to run
 
     start, model, tokenizer = ponytail_start(model_dir, workloads[0].prompts[0], args.dtype)
     report["start"]["ponytail"] = start
     verdicts = {}
-    for peer in [p for p in peers if p in VARIANTS]:
-        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, compile_for(peer, model))
+    ours = [p for p in peers if p != "vllm"]
+    for peer in ours:
+        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, compile_for(peer, model),
+                                        parse_peer(peer)[1])
     if vllm is not None:
         report["start"]["vllm"] = vllm["start"]
         report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
@@ -264,10 +295,14 @@ def run(args, peers: list[str]) -> int:
 
     if vllm is not None:
         report["results"]["vllm"] = {r["name"]: rates(r) for r in vllm["results"]}
-    for peer in [p for p in peers if p in VARIANTS]:
-        compiled = compile_for(peer, model)
-        report["results"][peer] = {w.name: rates(run_ponytail(model, tokenizer, w, compiled, args.kv_memory, warmup))
-                                   for w in workloads}
+    for peer in ours:
+        compiled, llm_args = compile_for(peer, model), parse_peer(peer)[1]
+        report["results"][peer] = {}
+        for w in workloads:  # each printed as it lands: a run cut short keeps what it measured
+            report["results"][peer][w.name] = rates(run_ponytail(model, tokenizer, w, compiled, args.kv_memory,
+                                                                 warmup, llm_args))
+            print(f"{peer} {w.name}: {report['results'][peer][w.name][f'{w.metric}_tokens_per_s']:,.1f} "
+                  f"{w.metric} tokens/s", flush=True)
     print_table(report, workloads)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))

@@ -176,6 +176,39 @@ def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
             "ponytail_eager, vllm" in result.stderr)
 
 
+def _peer_bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import peer_bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return peer_bench
+
+
+def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_model():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
+                             "--peers", "ponytail,ponytail:max_batch=3"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2
+    assert ("--peers 'ponytail:max_batch=3': expected name=value with a name LLM takes; got 'max_batch=3' "
+            "(allowed: async_scheduling, block_size," in result.stderr)
+    parse_peer = _peer_bench().parse_peer
+    with pytest.raises(ValueError, match="--peers 'vllm:max_num_seqs=8': LLM arguments go after one of ponytail, "
+                                         "ponytail_eager, ponytail_compiled, not 'vllm'"):
+        parse_peer("vllm:max_num_seqs=8")
+    with pytest.raises(ValueError, match="got 'kv_cache_memory=1GiB'"):  # the benchmark sets it (--kv-memory)
+        parse_peer("ponytail:kv_cache_memory=1GiB")
+    with pytest.raises(ValueError, match="got 'cuda_graphs'"):
+        parse_peer("ponytail:cuda_graphs")
+
+
+def test_bench_engine_peer_arguments_are_yaml_scalars():
+    parse_peer = _peer_bench().parse_peer
+    assert parse_peer("ponytail_compiled") == ("ponytail_compiled", {})
+    assert parse_peer("ponytail:max_num_batched_tokens=16384; prefill_delay_factor=0.5;cuda_graphs=false") == (
+        "ponytail", {"max_num_batched_tokens": 16384, "prefill_delay_factor": 0.5, "cuda_graphs": False})
+
+
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
     for args, message in ((["--routers", "kv_blocks,random"],
                            "--routers: unknown ['random']; allowed: kv_blocks, prefix, power_of_two, "
