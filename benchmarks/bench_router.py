@@ -6,9 +6,11 @@
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --workload chat   # prefix affinity
     python benchmarks/bench_router.py --model /tmp/ponytail-smollm2-random --workload chat --replicas-per-gpu 2
 
-Two Serve apps with identical engine replicas differ only in their request router. Each gets the
-same skewed workload through the OpenAI API: long prompts (4k tokens on GPUs) among short ones,
-arriving in bursts, ignore_eos so every request decodes max_tokens. Each replica's KV pool is
+Serve apps with identical engine replicas behind the separate OpenAI ingress differ only in their
+request router (app_default: the app's default shape instead, the API on the engine replicas and
+the free-block router in Serve's proxy). Each gets the same skewed workload through the OpenAI
+API: long prompts (4k tokens on GPUs) among short ones, arriving in bursts, ignore_eos so every
+request decodes max_tokens. Each replica's KV pool is
 sized from the model's shape to hold only --long-per-replica long requests plus one burst of short
 ones, so where the long prompts land decides who waits. Prompts are sent as token ids cut to an
 exact length with the model's own tokenizer: both routers see their true size (for text the
@@ -64,12 +66,19 @@ from deployments.reports import replica_reports
 from chat_workload import ChatShape, run_chat, sessions as chat_sessions
 
 MODEL = "SmolLM2-135M-Instruct"  # the model_id both apps serve, whatever the checkpoint
-ROUTER_ARGS = {  # --routers names -> the app's args that select them
-    "kv_blocks": {"router": "kv_blocks"},
-    "prefix": {"router": "prefix"},  # kv_blocks plus prefix-cache affinity (deployments/prefix_router.py)
-    "power_of_two": {"router": "power_of_two"},  # Serve's default
-    "kv_blocks_nohold": {"router": "kv_blocks", "max_hold_s": 0},  # never waits in the router
-    "kv_blocks_per_token": {"router": "kv_blocks", "stream_interval_s": 0},  # a Ray message per token and stream
+# --routers names -> the app's args that select them. Every one runs the same deployment: the
+# separate OpenAI ingress in front of the engine replicas, which the prefix router needs (it reads
+# the prompt; Serve's proxy shows a router none), so only the router differs.
+_SAME_SHAPE = {"api_in_engines": False}
+ROUTER_ARGS = {
+    "kv_blocks": {"router": "kv_blocks", **_SAME_SHAPE},
+    "prefix": {"router": "prefix", **_SAME_SHAPE},  # kv_blocks plus prefix-cache affinity (deployments/prefix_router.py)
+    "power_of_two": {"router": "power_of_two", **_SAME_SHAPE},  # Serve's default
+    "kv_blocks_nohold": {"router": "kv_blocks", "max_hold_s": 0, **_SAME_SHAPE},  # never waits in the router
+    "kv_blocks_per_token": {"router": "kv_blocks", "stream_interval_s": 0, **_SAME_SHAPE},  # a Ray message per token
+    # The app's default shape instead: the engine replicas serve the API, the proxy places requests
+    # by free blocks alone (it cannot see the prompt). What a user gets without choosing a router.
+    "app_default": {"router": "kv_blocks", "api_in_engines": True},
 }
 WORDS = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
 BLOCK = 16
