@@ -4,9 +4,12 @@
     python benchmarks/profile_engine.py --no-graphs           # eager steps (every kernel launched from Python)
     python benchmarks/profile_engine.py --compile             # compile_model=True
     python benchmarks/profile_engine.py --small               # CPU: the embedded default model, 4 requests
+    python benchmarks/profile_engine.py --prefill --compile --requests 32 --prompt-len 2048   # prompts alone
 
 The engine admits every request and runs until all of them decode; then it times --steps decode
-steps, and profiles as many more with torch.profiler. Kernel time is summed by name and by kind
+steps, and profiles as many more with torch.profiler. --prefill profiles prompts instead: a first
+batch of --requests prompts (one output token each) compiles and warms every shape, then a second,
+other batch of the same lengths is timed and a third profiled, every step of them a prefill step. Kernel time is summed by name and by kind
 (GEMM, Ponytail's attention and cache kernels, sampling, the rest); the gap between wall time and
 device time per step is the device waiting for the host.
 """
@@ -29,6 +32,7 @@ from ponytail import SamplingParams
 # Kernel name fragments -> kind; first match wins.
 KINDS = [
     ("attention (ponytail decode)", ("paged_decode",)),
+    ("attention (flash, prefill)", ("flash",)),
     ("cache write (ponytail)", ("write_slots", "write_kv")),
     ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
     ("sampling", ("topk", "sort", "softmax", "argmax", "multinomial", "cumsum")),
@@ -54,6 +58,18 @@ def run_until_decoding(engine, requests, prompt_len, output_len, vocab):
     return steps
 
 
+def run_prompts(engine, batch) -> int:
+    """Every prompt of batch to its one output token; returns the engine steps it took."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    for prompt in batch:
+        engine.add_request(prompt, params)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    return steps
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU-sized: the default model, 4 requests")
@@ -62,6 +78,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="decode steps timed, then as many profiled")
     parser.add_argument("--no-graphs", action="store_true", help="eager decode steps (cuda_graphs=False)")
     parser.add_argument("--compile", action="store_true", help="compile_model=True")
+    parser.add_argument("--prefill", action="store_true", help="profile prefill steps of whole prompts, not decode")
     parser.add_argument("--top", type=int, default=25, help="kernels listed")
     parser.add_argument("--json")
     args = parser.parse_args()
@@ -78,21 +95,35 @@ def main() -> int:
                        cuda_graphs=None if device.type == "cuda" and not args.no_graphs else False,
                        compile_model=args.compile)
     engine = llm.engine
-    prefill_steps = run_until_decoding(engine, args.requests, args.prompt_len, output_len, model.config.vocab_size)
-    for _ in range(3):
-        engine.step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync(device)
-    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    if args.prefill:
+        vocab = model.config.vocab_size
+        batches = [prompts(args.requests, args.prompt_len, vocab, seed=seed) for seed in range(3)]
+        run_prompts(engine, batches[0])  # compiles and warms every step shape
+        t0 = time.perf_counter()
+        timed_steps = run_prompts(engine, batches[1])
+        sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / timed_steps
+        with profile(activities=activities) as prof:
+            args.steps = run_prompts(engine, batches[2])
+            sync(device)
+        prefill_steps = timed_steps
+        print(f"prefill: {args.requests} x {args.prompt_len} prompt tokens in {timed_steps} steps, "
+              f"{args.requests * args.prompt_len / (wall_ms * timed_steps) * 1e3:,.0f} prompt tokens/s")
+    else:
+        prefill_steps = run_until_decoding(engine, args.requests, args.prompt_len, output_len, model.config.vocab_size)
+        for _ in range(3):
+            engine.step()
+        sync(device)
+        t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
         sync(device)
+        wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                engine.step()
+            sync(device)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if device.type == "cuda" and event.device_type.name != "CUDA":
@@ -107,10 +138,16 @@ def main() -> int:
     for name, (t, _) in per_kernel.items():
         by_kind[kind_of(name)] += t / 1e3 / args.steps
 
-    print(f"{args.requests} requests decoding ({prefill_steps} steps to get there), "
-          f"graphs={'off' if args.no_graphs or device.type != 'cuda' else 'on'}, compile={args.compile}")
-    print(f"wall {wall_ms:.2f} ms/step = {args.requests / wall_ms * 1e3:.0f} tok/s; kernels {device_ms:.2f} "
-          f"ms/step; device idle {max(0.0, wall_ms - device_ms):.2f} ms/step")
+    if args.prefill:
+        print(f"{args.requests} x {args.prompt_len}-token prompts, {args.steps} prefill steps profiled, "
+              f"compile={args.compile}")
+        print(f"wall {wall_ms:.2f} ms/step; kernels {device_ms:.2f} ms/step; device idle "
+              f"{max(0.0, wall_ms - device_ms):.2f} ms/step")
+    else:
+        print(f"{args.requests} requests decoding ({prefill_steps} steps to get there), "
+              f"graphs={'off' if args.no_graphs or device.type != 'cuda' else 'on'}, compile={args.compile}")
+        print(f"wall {wall_ms:.2f} ms/step = {args.requests / wall_ms * 1e3:.0f} tok/s; kernels {device_ms:.2f} "
+              f"ms/step; device idle {max(0.0, wall_ms - device_ms):.2f} ms/step")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:52s} {ms:7.3f} ms/step {ms / device_ms:6.1%}")
     print(f"\n{'kernel':90s} {'calls/step':>10s} {'us/step':>9s}")
