@@ -484,22 +484,36 @@ def test_token_slice_matches_all_token_ids():
 @pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
-def test_compiled_decoder_layers_keep_greedy_output(small_model):
+def test_compiled_decoder_layers_keep_greedy_output(default_model):
+    from ponytail.attention.hf_cache_base import LAYER_INDEX_ATTR
     from ponytail.runner.compile import restore_decoder_layers
 
-    model, tokenizer = small_model
+    tokenizer = default_model[1]
+    model = sharp_llama(tokenizer, layers=8)
+    layers = model.model.layers
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 1000) for _ in range(rng.randint(4, 40))] for _ in range(4)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     expected = [plain_greedy(model, p, 6) for p in prompts]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     try:
         llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128,
                            compile_model=True)
-        assert all("forward" in vars(layer) for layer in model.model.layers)  # compiled in place
+        assert all("forward" in vars(layer) for layer in layers)  # compiled in place
+        # Every layer traces the same index; its own waits where only Ponytail's attention reads it.
+        assert [(layer.self_attn.layer_idx, getattr(layer.self_attn, LAYER_INDEX_ATTR)) for layer in layers] == \
+            [(0, i) for i in range(len(layers))]
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        # One trace serves every layer: graphs per step shape, not per layer and step shape.
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        assert 0 < graphs < len(layers), graphs
     finally:
         restore_decoder_layers(model)
-    assert not any("forward" in vars(layer) for layer in model.model.layers)
+        torch._dynamo.reset()
+    assert not any("forward" in vars(layer) for layer in layers)
+    assert [layer.self_attn.layer_idx for layer in layers] == list(range(len(layers)))
+    assert not any(hasattr(layer.self_attn, LAYER_INDEX_ATTR) for layer in layers)
 
 
 def test_compile_defaults_to_off_on_the_cpu(small_model):

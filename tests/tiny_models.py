@@ -4,10 +4,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def sharp_llama(tokenizer) -> LlamaForCausalLM:
-    """A random 2-layer Llama sharing `tokenizer` (the default model's), seeded."""
+def sharp_llama(tokenizer, layers: int = 2) -> LlamaForCausalLM:
+    """A random Llama (2 layers unless told) sharing `tokenizer` (the default model's), seeded."""
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tokenizer), max_position_embeddings=512,
                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model = LlamaForCausalLM(config).eval()

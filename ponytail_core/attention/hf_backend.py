@@ -14,7 +14,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_atten
 
 from ..errors import ConfigError
 from . import hf_fallback
-from .hf_cache_base import TAG
+from .hf_cache_base import LAYER_INDEX_ATTR, TAG
 
 ATTN_IMPLEMENTATION = "ponytail"
 
@@ -31,6 +31,9 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
     cache, layer_idx = owner
+    # A compiled layer passes layer_idx 0 to the cache (runner/compile.py: one trace for every
+    # layer); its attention module holds the real index here.
+    layer_idx = vars(module).get(LAYER_INDEX_ATTR, layer_idx)  # no nn.Module __getattr__ miss per call
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     try:
         out = cache.attend(layer_idx, module, query, key, value, attention_mask, scale,

@@ -16,6 +16,9 @@ from ..kv.config import CacheConfig
 from ..kv.paged_cache import PagedKVCache
 
 TAG = "_ponytail_cache"  # attribute set on the key tensor update() returns
+# Where a compiled layer's attention module keeps its index (runner/compile.py sets it; the index
+# the traced code passes to update() is then 0 in every layer).
+LAYER_INDEX_ATTR = "_ponytail_layer_idx"
 
 
 class _PagedLayer(CacheLayerMixin):

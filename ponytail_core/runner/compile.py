@@ -15,14 +15,19 @@ import time
 
 import torch
 
+from ..attention.hf_cache_base import LAYER_INDEX_ATTR
 from ..errors import ConfigError
 
 logger = logging.getLogger("ponytail.engine")
 
-# Every layer shares one code object, and dynamo specializes on the int `layer_idx` each layer's
-# attention passes to the cache, so each layer holds entries of its own: a static batch-1 graph,
-# a dynamic one, prefill steps. Past the limit dynamo would silently run the rest eagerly (seen on
-# an H200 with 2 per layer). Inductor's graphs are the same for every layer: recompiles hit its cache.
+# Every layer shares one code object, so every layer can share its compiled entries (a static
+# batch-1 graph, a dynamic one, prefill steps) if nothing the trace reads differs between layers.
+# One int does: the `layer_idx` each layer's attention passes to the cache, on which dynamo
+# specializes. compile_decoder_layers moves it to LAYER_INDEX_ATTR, which only Ponytail's attention
+# reads (outside the trace, hf_backend.py), and leaves the traced attribute at 0 in every layer:
+# one trace serves them all. On the CPU with 24 layers: 54 compiles and 53.7 s before, 8 and 36.3 s
+# after; the dynamo cache no longer holds one entry per layer for each call to look through.
+# Layers that still differ in what the trace reads (a sliding window on some of them) get their own.
 _CACHE_SIZE_PER_LAYER = 8
 
 
@@ -59,6 +64,7 @@ def compile_decoder_layers(model) -> int:
         torch._dynamo.config.accumulated_cache_size_limit, limit)
     start = time.perf_counter()
     for layer in layers:
+        _share_layer_index(layer)
         layer.forward = torch.compile(layer.forward, dynamic=True)
     logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s)",
                 len(layers), time.perf_counter() - start)
@@ -71,4 +77,18 @@ def restore_decoder_layers(model) -> None:
 
     for layer in decoder_layers(model):
         layer.__dict__.pop("forward", None)
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and LAYER_INDEX_ATTR in vars(attention):
+            attention.layer_idx = vars(attention).pop(LAYER_INDEX_ATTR)
     hf_attention.register()  # the plain function again
+
+
+def _share_layer_index(layer) -> None:
+    """The layer's attention keeps its index where only Ponytail's attention reads it; the traced
+    `layer_idx` becomes 0, the same in every layer (see LAYER_INDEX_ATTR)."""
+    attention = getattr(layer, "self_attn", None)
+    index = getattr(attention, "layer_idx", None)
+    if attention is None or LAYER_INDEX_ATTR in vars(attention) or not isinstance(index, int):
+        return  # another layout (its layers compile one by one, as before) or already shared
+    setattr(attention, LAYER_INDEX_ATTR, index)
+    attention.layer_idx = 0
