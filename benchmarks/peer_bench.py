@@ -37,6 +37,8 @@ from vllm_peer import read_results, run_vllm
 
 # peer -> compile_model; None: what LLM(dir) chooses (see compile_for)
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
+# LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
+_SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
 
 
 def parse_peer(peer: str) -> tuple[str, dict]:
@@ -58,9 +60,6 @@ def parse_peer(peer: str) -> tuple[str, dict]:
         kwargs[name] = yaml.safe_load(value)
     return base, kwargs
 
-
-# LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
-_SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
 
 
 @dataclass(frozen=True, slots=True)
