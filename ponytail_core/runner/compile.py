@@ -64,8 +64,9 @@ def compile_decoder_layers(model) -> int:
         torch._dynamo.config.accumulated_cache_size_limit, limit)
     start = time.perf_counter()
     for layer in layers:
-        _share_layer_index(layer)
-        layer.forward = torch.compile(layer.forward, dynamic=True)
+        compiled = torch.compile(layer.forward, dynamic=True)
+        attention = _share_layer_index(layer)
+        layer.forward = compiled if attention is None else _compiled_for_ponytail_caches(layer, attention, compiled)
     logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s)",
                 len(layers), time.perf_counter() - start)
     return len(layers)
@@ -83,12 +84,35 @@ def restore_decoder_layers(model) -> None:
     hf_attention.register()  # the plain function again
 
 
-def _share_layer_index(layer) -> None:
+def _share_layer_index(layer):
     """The layer's attention keeps its index where only Ponytail's attention reads it; the traced
-    `layer_idx` becomes 0, the same in every layer (see LAYER_INDEX_ATTR)."""
+    `layer_idx` becomes 0, the same in every layer (see _CACHE_SIZE_PER_LAYER). Returns that
+    attention module, or None where the layer has no such index (it compiles on its own)."""
     attention = getattr(layer, "self_attn", None)
     index = getattr(attention, "layer_idx", None)
     if attention is None or LAYER_INDEX_ATTR in vars(attention) or not isinstance(index, int):
-        return  # another layout (its layers compile one by one, as before) or already shared
+        return None
     setattr(attention, LAYER_INDEX_ATTR, index)
     attention.layer_idx = 0
+    return attention
+
+
+def _compiled_for_ponytail_caches(layer, attention, compiled):
+    """The compiled forward with a Ponytail cache or none. Any other cache (plain `generate`'s
+    DynamicCache) files K/V under the traced layer_idx, which is 0 in every layer here: such a call
+    runs the class's own forward, eagerly, with the layer's real index back for its duration."""
+    from ..attention.hf_cache_base import PagedCacheBase
+
+    eager = type(layer).forward
+
+    def forward(*args, **kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.x renamed it
+        if cache is None or isinstance(cache, PagedCacheBase):
+            return compiled(*args, **kwargs)
+        attention.layer_idx = vars(attention)[LAYER_INDEX_ATTR]
+        try:
+            return eager(layer, *args, **kwargs)
+        finally:
+            attention.layer_idx = 0
+
+    return forward
