@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -97,6 +97,10 @@ class AppArgs(BaseModel):
         None, description="while requests decode, new prompts wait until the oldest has waited this many times the "
                           "last prefill step (at most 0.1 s) and then share one step: steps with a prefill run "
                           "without CUDA graphs; unset: 1.0 with CUDA graphs (GPUs), 0 on CPUs")
+    generation_config: Literal["auto", "ponytail"] = Field(
+        "auto", description="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
+                            "unset get the model's generation_config.json values (vLLM's default); ponytail: "
+                            "SamplingParams' own defaults")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
@@ -121,7 +125,8 @@ class AppArgs(BaseModel):
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
                                                 "block_size", "compile_model", "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
-                                                "keep_prefix_cache", "engine_process", "prefill_delay_factor")
+                                                "keep_prefix_cache", "engine_process", "prefill_delay_factor",
+                                                "generation_config")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from types import MappingProxyType
 
 import ray
 from ray import serve
@@ -14,6 +16,7 @@ from ray import serve
 import ponytail
 from ponytail import SamplingParams
 
+from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
@@ -23,10 +26,13 @@ from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT
                        STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+logger = logging.getLogger(__name__)
 
 
 class EngineReplica:
     """Serve deployment body (see app.py): generate, abort, model_info, record_routing_stats."""
+
+    sampling_defaults = MappingProxyType({})  # fields a request leaves unset; the model's, with generation_config auto
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
@@ -34,12 +40,17 @@ class EngineReplica:
                  gpu_memory_utilization: float | None = None, max_prompt_tokens: int | None = None,
                  model_alias: str | None = None, max_deltas_per_s: float | None = None,
                  keep_prefix_cache: bool = True, engine_process: bool | None = None,
-                 prefill_delay_factor: float | None = None):
+                 prefill_delay_factor: float | None = None, generation_config: str = "auto"):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
         short name, e.g. SmolLM2-135M-Instruct). engine_process: the engine's step loop in a child
-        process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU."""
+        process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU. generation_config:
+        "auto" fills the sampling fields a request leaves unset from the model's generation_config.json
+        (generation_defaults.py), "ponytail" leaves SamplingParams' defaults."""
+        if generation_config not in ("auto", "ponytail"):  # before seconds of loading
+            raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
+                                       "(the model's generation_config.json fills unset sampling fields), ponytail")
         llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
@@ -65,6 +76,11 @@ class EngineReplica:
         if model_id is None and model_alias is None:
             model_alias = short
         served = model_id or root or model_alias or short
+        if generation_config == "auto":
+            self.sampling_defaults = model_sampling_defaults(root)
+            if self.sampling_defaults:
+                logger.info("requests that leave them unset sample with the model's generation_config.json: %s "
+                            "(generation_config: ponytail turns this off)", self.sampling_defaults)
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
                               device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [])
@@ -93,7 +109,7 @@ class EngineReplica:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
         called = time.monotonic()
-        params = SamplingParams(**request.sampling)  # ConfigError names the bad field
+        params = SamplingParams(**{**self.sampling_defaults, **request.sampling})  # ConfigError names the bad field
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing

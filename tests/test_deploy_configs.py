@@ -72,6 +72,8 @@ def test_the_engine_replicas_serve_the_api_unless_the_router_or_ingress_replicas
             AppArgs(api_in_engines=True, **clash)
     with pytest.raises(ValueError, match=r"prefill_delay_factor=-1 is not supported; allowed: a number >= 0"):
         AppArgs(prefill_delay_factor=-1)
+    with pytest.raises(ValueError, match=r"generation_config\n  Input should be 'auto' or 'ponytail'"):
+        AppArgs(generation_config="vllm")
 
 
 def test_app_args_are_typed_from_strings_and_refuse_unknown_names():
