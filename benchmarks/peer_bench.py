@@ -61,7 +61,6 @@ def parse_peer(peer: str) -> tuple[str, dict]:
     return base, kwargs
 
 
-
 @dataclass(frozen=True, slots=True)
 class _Completion:
     logprobs: list[dict[int, float]]  # per step, token id -> logprob, as Ponytail's outputs carry them

@@ -9,9 +9,9 @@
 The engine admits every request and runs until all of them decode; then it times --steps decode
 steps, and profiles as many more with torch.profiler. --prefill profiles prompts instead: a first
 batch of --requests prompts (one output token each) compiles and warms every shape, then a second,
-other batch of the same lengths is timed and a third profiled, every step of them a prefill step. Kernel time is summed by name and by kind
-(GEMM, Ponytail's attention and cache kernels, sampling, the rest); the gap between wall time and
-device time per step is the device waiting for the host.
+other batch of the same lengths is timed and a third profiled, every step of them a prefill step.
+Kernel time is summed by name and by kind (GEMM, Ponytail's attention and cache kernels, sampling,
+the rest); the gap between wall time and device time per step is the device waiting for the host.
 """
 
 from __future__ import annotations
@@ -70,6 +70,44 @@ def run_prompts(engine, batch) -> int:
     return steps
 
 
+def measure_prefill(engine, args, vocab, device, activities):
+    """(wall ms per timed step, profiled steps, profile, summary): prompts alone, see the docstring."""
+    batches = [prompts(args.requests, args.prompt_len, vocab, seed=seed) for seed in range(3)]
+    run_prompts(engine, batches[0])  # compiles and warms every step shape
+    t0 = time.perf_counter()
+    timed_steps = run_prompts(engine, batches[1])
+    sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / timed_steps
+    with profile(activities=activities) as prof:
+        profiled_steps = run_prompts(engine, batches[2])
+        sync(device)
+    tokens_per_s = args.requests * args.prompt_len / (wall_ms * timed_steps) * 1e3
+    summary = (f"{args.requests} x {args.prompt_len}-token prompts: {timed_steps} prefill steps, {tokens_per_s:,.0f} "
+               f"prompt tokens/s, compile={args.compile}\nwall {wall_ms:.2f} ms/step")
+    return wall_ms, profiled_steps, prof, summary
+
+
+def measure_decode(engine, args, vocab, output_len, device, activities):
+    """(wall ms per timed step, profiled steps, profile, summary): steady decode steps."""
+    prefill_steps = run_until_decoding(engine, args.requests, args.prompt_len, output_len, vocab)
+    for _ in range(3):
+        engine.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync(device)
+    wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
+    with profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync(device)
+    graphs = "off" if args.no_graphs or device.type != "cuda" else "on"
+    summary = (f"{args.requests} requests decoding ({prefill_steps} steps to get there), graphs={graphs}, "
+               f"compile={args.compile}\nwall {wall_ms:.2f} ms/step = {args.requests / wall_ms * 1e3:.0f} tok/s")
+    return wall_ms, args.steps, prof, summary
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="CPU-sized: the default model, 4 requests")
@@ -96,34 +134,11 @@ def main() -> int:
                        compile_model=args.compile)
     engine = llm.engine
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    vocab = model.config.vocab_size
     if args.prefill:
-        vocab = model.config.vocab_size
-        batches = [prompts(args.requests, args.prompt_len, vocab, seed=seed) for seed in range(3)]
-        run_prompts(engine, batches[0])  # compiles and warms every step shape
-        t0 = time.perf_counter()
-        timed_steps = run_prompts(engine, batches[1])
-        sync(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / timed_steps
-        with profile(activities=activities) as prof:
-            args.steps = run_prompts(engine, batches[2])
-            sync(device)
-        prefill_steps = timed_steps
-        print(f"prefill: {args.requests} x {args.prompt_len} prompt tokens in {timed_steps} steps, "
-              f"{args.requests * args.prompt_len / (wall_ms * timed_steps) * 1e3:,.0f} prompt tokens/s")
+        wall_ms, steps, prof, summary = measure_prefill(engine, args, vocab, device, activities)
     else:
-        prefill_steps = run_until_decoding(engine, args.requests, args.prompt_len, output_len, model.config.vocab_size)
-        for _ in range(3):
-            engine.step()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync(device)
-        wall_ms = (time.perf_counter() - t0) * 1e3 / args.steps
-        with profile(activities=activities) as prof:
-            for _ in range(args.steps):
-                engine.step()
-            sync(device)
+        wall_ms, steps, prof, summary = measure_decode(engine, args, vocab, output_len, device, activities)
     per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if device.type == "cuda" and event.device_type.name != "CUDA":
@@ -133,31 +148,22 @@ def main() -> int:
         time_us = event.device_time if device.type == "cuda" else event.cpu_time
         per_kernel[event.name][0] += time_us
         per_kernel[event.name][1] += 1
-    device_ms = sum(t for t, _ in per_kernel.values()) / 1e3 / args.steps
+    device_ms = sum(t for t, _ in per_kernel.values()) / 1e3 / steps
     by_kind: dict[str, float] = defaultdict(float)
     for name, (t, _) in per_kernel.items():
-        by_kind[kind_of(name)] += t / 1e3 / args.steps
+        by_kind[kind_of(name)] += t / 1e3 / steps
 
-    if args.prefill:
-        print(f"{args.requests} x {args.prompt_len}-token prompts, {args.steps} prefill steps profiled, "
-              f"compile={args.compile}")
-        print(f"wall {wall_ms:.2f} ms/step; kernels {device_ms:.2f} ms/step; device idle "
-              f"{max(0.0, wall_ms - device_ms):.2f} ms/step")
-    else:
-        print(f"{args.requests} requests decoding ({prefill_steps} steps to get there), "
-              f"graphs={'off' if args.no_graphs or device.type != 'cuda' else 'on'}, compile={args.compile}")
-        print(f"wall {wall_ms:.2f} ms/step = {args.requests / wall_ms * 1e3:.0f} tok/s; kernels {device_ms:.2f} "
-              f"ms/step; device idle {max(0.0, wall_ms - device_ms):.2f} ms/step")
+    print(f"{summary}; kernels {device_ms:.2f} ms/step; device idle {max(0.0, wall_ms - device_ms):.2f} ms/step")
     for kind, ms in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:52s} {ms:7.3f} ms/step {ms / device_ms:6.1%}")
     print(f"\n{'kernel':90s} {'calls/step':>10s} {'us/step':>9s}")
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
     for name, (t, n) in ranked[: args.top]:
-        print(f"{name[:90]:90s} {n / args.steps:10.1f} {t / args.steps:9.1f}")
+        print(f"{name[:90]:90s} {n / steps:10.1f} {t / steps:9.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"wall_ms_per_step": wall_ms, "device_ms_per_step": device_ms, "by_kind_ms": by_kind,
-                       "kernels": {n: {"us_per_step": t / args.steps, "calls_per_step": c / args.steps}
+                       "kernels": {n: {"us_per_step": t / steps, "calls_per_step": c / steps}
                                    for n, (t, c) in ranked}}, f, indent=2)
     return 0
 

@@ -3,6 +3,7 @@ what is checked is that each runs end to end and that its correctness checks pas
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -11,6 +12,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def benchmark_module(name: str):
+    """A module of benchmarks/ (they import each other as top-level modules), imported here."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
 
 
 def run_script(name: str, *args: str, timeout: int = 900) -> None:
@@ -63,11 +73,8 @@ def test_bench_host_overhead_runs():
 
 @pytest.mark.network
 def test_profile_steps_runs_every_request_to_its_length_three_ways(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from random_checkpoint import build_checkpoint, export_files
-    finally:
-        sys.path.pop(0)
+    checkpoints = benchmark_module("random_checkpoint")
+    build_checkpoint, export_files = checkpoints.build_checkpoint, checkpoints.export_files
     export_files(tmp_path / "files")  # the default model's tokenizer and config, no weights
     model = build_checkpoint(tmp_path / "files", tmp_path / "tiny", shape="tiny")
     out = tmp_path / "steps.json"
@@ -114,11 +121,8 @@ def test_bench_router_small_chat_compares_three_routers_with_their_prefix_hit_ra
 
 
 def test_chat_sessions_share_system_prompts_and_differ_in_their_turns():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from chat_workload import ChatShape, sessions
-    finally:
-        sys.path.pop(0)
+    chat_workload = benchmark_module("chat_workload")
+    ChatShape, sessions = chat_workload.ChatShape, chat_workload.sessions
     shape = ChatShape(sessions=5, turns=3, system_prompts=2, system_words=50, user_words=10, max_tokens=8,
                       session_gap_s=0.1, think_s=0.1)
     chats = sessions(shape, seed=0)
@@ -138,11 +142,7 @@ def test_probe_pool_release_small_runs_every_policy(tmp_path):
 
 
 def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_burst():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_router import workload
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    workload = benchmark_module("bench_router").workload
 
     class Words:  # a tokenizer stand-in: one token per word
         def __call__(self, text, add_special_tokens=False):
@@ -155,11 +155,7 @@ def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_
 
 
 def test_bench_router_compares_mean_ttft_round_by_round_against_the_same_rounds_baseline():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        from bench_router import mean_ttft_changes
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    mean_ttft_changes = benchmark_module("bench_router").mean_ttft_changes
     base = [{"round": 0, "gap": 0.1, "ttfts": [0.2, 0.4]}, {"round": 1, "gap": 0.1, "ttfts": [0.5]},
             {"round": 0, "gap": 1.0, "ttfts": [9.0]}]
     runs = [{"round": 1, "gap": 0.1, "ttfts": [0.25, 0.5]}, {"round": 0, "gap": 0.1, "ttfts": [0.15, 0.15]},
@@ -176,15 +172,6 @@ def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
             "ponytail_eager, vllm" in result.stderr)
 
 
-def _peer_bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import peer_bench
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return peer_bench
-
-
 def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
                              "--peers", "ponytail,ponytail:max_batch=3"], cwd=ROOT, capture_output=True, text=True,
@@ -192,7 +179,7 @@ def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_m
     assert result.returncode == 2
     assert ("--peers 'ponytail:max_batch=3': expected name=value with a name LLM takes; got 'max_batch=3' "
             "(allowed: async_scheduling, block_size," in result.stderr)
-    parse_peer = _peer_bench().parse_peer
+    parse_peer = benchmark_module("peer_bench").parse_peer
     with pytest.raises(ValueError, match="--peers 'vllm:max_num_seqs=8': LLM arguments go after one of ponytail, "
                                          "ponytail_eager, ponytail_compiled, not 'vllm'"):
         parse_peer("vllm:max_num_seqs=8")
@@ -203,7 +190,7 @@ def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_m
 
 
 def test_bench_engine_peer_arguments_are_yaml_scalars():
-    parse_peer = _peer_bench().parse_peer
+    parse_peer = benchmark_module("peer_bench").parse_peer
     assert parse_peer("ponytail_compiled") == ("ponytail_compiled", {})
     assert parse_peer("ponytail:max_num_batched_tokens=16384; prefill_delay_factor=0.5;cuda_graphs=false") == (
         "ponytail", {"max_num_batched_tokens": 16384, "prefill_delay_factor": 0.5, "cuda_graphs": False})

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..attention.hf_cache_base import LAYER_INDEX_ATTR
+from ..attention.hf_cache_base import LAYER_INDEX_ATTR, PagedCacheBase
 from ..errors import ConfigError
 
 logger = logging.getLogger("ponytail.engine")
@@ -25,7 +25,7 @@ logger = logging.getLogger("ponytail.engine")
 # One int does: the `layer_idx` each layer's attention passes to the cache, on which dynamo
 # specializes. compile_decoder_layers moves it to LAYER_INDEX_ATTR, which only Ponytail's attention
 # reads (outside the trace, hf_backend.py), and leaves the traced attribute at 0 in every layer:
-# one trace serves them all. On the CPU with 24 layers: 54 compiles and 53.7 s before, 8 and 36.3 s
+# one trace serves them all. On the CPU with 24 layers: 54 compiles and 53.7 s before, 8 and 30.5 s
 # after; the dynamo cache no longer holds one entry per layer for each call to look through.
 # Layers that still differ in what the trace reads (a sliding window on some of them) get their own.
 _CACHE_SIZE_PER_LAYER = 8
@@ -101,8 +101,6 @@ def _compiled_for_ponytail_caches(layer, attention, compiled):
     """The compiled forward with a Ponytail cache or none. Any other cache (plain `generate`'s
     DynamicCache) files K/V under the traced layer_idx, which is 0 in every layer here: such a call
     runs the class's own forward, eagerly, with the layer's real index back for its duration."""
-    from ..attention.hf_cache_base import PagedCacheBase
-
     eager = type(layer).forward
 
     def forward(*args, **kwargs):
