@@ -31,6 +31,7 @@ import ponytail
 from ponytail import SamplingParams
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import can_compile, restore_decoder_layers
+from ponytail.runner.fused_projections import unfuse_projections
 
 import peer_workloads
 from vllm_peer import read_results, run_vllm
@@ -82,6 +83,12 @@ def compile_for(peer: str, model) -> bool:
     return chosen
 
 
+def restore_model(model) -> None:
+    """The next peer gets the model as loaded: LLM compiled its layers and fused its projections in place."""
+    restore_decoder_layers(model)
+    unfuse_projections(model)
+
+
 def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
 
@@ -120,7 +127,7 @@ def check_ponytail(model, tokenizer, prompts, steps, compile_model, llm_args: di
         try:
             return llm.generate(batch, params)
         finally:
-            restore_decoder_layers(model)
+            restore_model(model)
 
     return check_outputs(model, prompts, steps, generate)
 
@@ -159,7 +166,7 @@ def run_ponytail(model, tokenizer, work, compile_model, kv_memory, warmup, llm_a
         sync()
         seconds = time.perf_counter() - t0
     finally:
-        restore_decoder_layers(model)
+        restore_model(model)
     config = llm.engine.cache.config
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     need = (work.prompt_tokens + work.output_tokens) * config.bytes_per_token + len(work.prompts) * config.block_bytes

@@ -63,6 +63,9 @@ class LLM:
     many times the last prefill step (at most 0.1 s), so prompts arriving close together share one
     step without CUDA graphs and the decode steps between replay them (engine/scheduler.py); None:
     1.0 where CUDA graphs are on, 0 (no wait) elsewhere.
+    fuse_projections: one GEMM for q/k/v and one for gate/up in every decoder layer (their weights
+    become views of one concatenated weight: no extra memory; runner/fused_projections.py). Changes
+    a model object handed over in place, like compile_model.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -72,7 +75,7 @@ class LLM:
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
                  context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False,
-                 prefill_delay_factor: float | None = None):
+                 prefill_delay_factor: float | None = None, fuse_projections: bool = False):
         loaded_here = model is None or isinstance(model, str)
         if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -116,6 +119,8 @@ class LLM:
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
+        if not isinstance(fuse_projections, bool):
+            raise ConfigError(f"fuse_projections={fuse_projections!r} is not supported; allowed: True or False")
         if not isinstance(keep_prefix_cache, bool):
             raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
         memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization)
@@ -132,7 +137,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model, async_scheduling=async_scheduling,
                                 context_cost=context_cost(text_config) if context_aware_chunks else 0.0,
-                                prefill_delay_factor=float(prefill_delay_factor))
+                                prefill_delay_factor=float(prefill_delay_factor), fuse_projections=fuse_projections)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
 

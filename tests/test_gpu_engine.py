@@ -72,9 +72,12 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch):
     assert checked >= len(prompts) // 2
 
 
-def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch):
-    """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32."""
+@pytest.mark.parametrize("fuse_projections", [False, True])
+def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_projections):
+    """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32; with
+    fuse_projections, one GEMM for q/k/v and gate/up traced and captured too."""
     from ponytail.runner.compile import restore_decoder_layers
+    from ponytail.runner.fused_projections import unfuse_projections
 
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
     model = small_model()
@@ -85,11 +88,13 @@ def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch):
         out = model.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
-    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, compile_model=True)
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, compile_model=True,
+                       fuse_projections=fuse_projections)
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     finally:
         restore_decoder_layers(model)
+        unfuse_projections(model)
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.runner.graphs.replays > 0 and llm.stats().used_blocks == 0
 

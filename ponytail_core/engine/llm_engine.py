@@ -79,14 +79,15 @@ class LLMEngine:
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
                  compile_model: bool = False, async_scheduling: bool = False, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0):
+                 prefill_delay_factor: float = 0.0, fuse_projections: bool = False):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = cache
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
                                    prefill_delay_factor=prefill_delay_factor)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  cuda_graphs=cuda_graphs, compile_model=compile_model)
+                                  cuda_graphs=cuda_graphs, compile_model=compile_model,
+                                  fuse_projections=fuse_projections)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:

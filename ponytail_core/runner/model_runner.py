@@ -31,13 +31,18 @@ def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[Scheduled
 
 class ModelRunner:
     """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
-    compile_model: torch.compile the decoder layers around the attention call (compile.py)."""
+    compile_model: torch.compile the decoder layers around the attention call (compile.py);
+    fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool = False, compile_model: bool = False):
+                 cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False):
         self.model = model
         self.device = cache.config.device
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
+        if fuse_projections:
+            from .fused_projections import fuse_projections as fuse
+
+            fuse(model)  # before compiling and capture: both record the fused GEMMs
         if compile_model:
             from .compile import compile_decoder_layers
 
