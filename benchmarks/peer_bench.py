@@ -31,12 +31,12 @@ import ponytail
 from ponytail import SamplingParams
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import can_compile, restore_decoder_layers
-from ponytail.runner.fused_projections import unfuse_projections
+from ponytail.runner.fused_projections import can_fuse, unfuse_projections
 
 import peer_workloads
 from vllm_peer import read_results, run_vllm
 
-# peer -> compile_model; None: what LLM(dir) chooses (see compile_for)
+# peer -> compile_model; None: what LLM(dir) chooses (see llm_args_for)
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
 # LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
 _SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
@@ -74,13 +74,16 @@ class Replayed:
     outputs: list[_Completion]
 
 
-def compile_for(peer: str, model) -> bool:
-    """compile_model for a peer. The model object is handed to LLM here, where LLM's default
-    leaves it eager; "ponytail" gets what `LLM(dir)` chooses when it loads the model itself."""
-    chosen = VARIANTS[parse_peer(peer)[0]]
-    if chosen is None:
-        return next(model.parameters()).device.type == "cuda" and can_compile(model)
-    return chosen
+def llm_args_for(peer: str, model) -> dict:
+    """The LLM arguments of a peer. The model object is handed to LLM here, where LLM's defaults
+    leave it eager and unfused; "ponytail" gets what `LLM(dir)` chooses when it loads the model
+    itself (compile_model and fuse_projections on CUDA), then the peer's own arguments."""
+    base, own = parse_peer(peer)
+    compiled = VARIANTS[base]
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if compiled is None:
+        compiled = on_cuda and can_compile(model)
+    return {"compile_model": compiled, "fuse_projections": on_cuda and can_fuse(model), **own}
 
 
 def restore_model(model) -> None:
@@ -113,17 +116,18 @@ def ponytail_start(model_arg: str, first_prompt: list[int], dtype) -> tuple[dict
     sync()
     first = time.perf_counter()
     model, tokenizer = llm.engine.model, llm.engine.tokenizer
+    restore_model(model)  # LLM compiled and fused it in place; each peer decides for itself
     del llm
     gc.collect()
     return {"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0}, model, tokenizer
 
 
-def check_ponytail(model, tokenizer, prompts, steps, compile_model, llm_args: dict):
+def check_ponytail(model, tokenizer, prompts, steps, llm_args: dict):
     def generate(batch, params):  # builds, runs and drops its engine, as check_outputs asks
         sized = {"max_num_seqs": len(batch), "max_model_len": max(len(p) for p in batch) + steps}
         if "max_num_batched_tokens" in llm_args:  # LLM refuses a budget below max_num_seqs
             sized["max_num_seqs"] = min(len(batch), llm_args["max_num_batched_tokens"])
-        llm = ponytail.LLM(model, tokenizer=tokenizer, compile_model=compile_model, **{**llm_args, **sized})
+        llm = ponytail.LLM(model, tokenizer=tokenizer, **{**llm_args, **sized})
         try:
             return llm.generate(batch, params)
         finally:
@@ -152,12 +156,12 @@ def verdict_line(peer: str, verdict) -> str:
     return line
 
 
-def run_ponytail(model, tokenizer, work, compile_model, kv_memory, warmup, llm_args: dict) -> dict:
+def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> dict:
     """One workload on a fresh engine with Ponytail's defaults but llm_args (a short unrelated request first)."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, compile_model=compile_model, **llm_args)
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, **llm_args)
     try:
         llm.generate([warmup], greedy(2))
         sync()
@@ -285,8 +289,7 @@ def run(args, peers: list[str]) -> int:
     verdicts = {}
     ours = [p for p in peers if p != "vllm"]
     for peer in ours:
-        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, compile_for(peer, model),
-                                        parse_peer(peer)[1])
+        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, llm_args_for(peer, model))
     if vllm is not None:
         report["start"]["vllm"] = vllm["start"]
         report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
@@ -301,11 +304,11 @@ def run(args, peers: list[str]) -> int:
     if vllm is not None:
         report["results"]["vllm"] = {r["name"]: rates(r) for r in vllm["results"]}
     for peer in ours:
-        compiled, llm_args = compile_for(peer, model), parse_peer(peer)[1]
+        llm_args = llm_args_for(peer, model)
         report["results"][peer] = {}
         for w in workloads:  # each printed as it lands: a run cut short keeps what it measured
-            report["results"][peer][w.name] = rates(run_ponytail(model, tokenizer, w, compiled, args.kv_memory,
-                                                                 warmup, llm_args))
+            report["results"][peer][w.name] = rates(run_ponytail(model, tokenizer, w, args.kv_memory, warmup,
+                                                                 llm_args))
             print(f"{peer} {w.name}: {report['results'][peer][w.name][f'{w.metric}_tokens_per_s']:,.1f} "
                   f"{w.metric} tokens/s", flush=True)
     print_table(report, workloads)

@@ -16,6 +16,7 @@ from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
 from .models.loader import load_model
 from .runner.compile import can_compile
+from .runner.fused_projections import can_fuse
 from .engine.request import RequestOutput
 from .kv.paged_cache import PagedKVCache
 from .kv.prefix_events import PrefixEventLog
@@ -64,8 +65,9 @@ class LLM:
     step without CUDA graphs and the decode steps between replay them (engine/scheduler.py); None:
     1.0 where CUDA graphs are on, 0 (no wait) elsewhere.
     fuse_projections: one GEMM for q/k/v and one for gate/up in every decoder layer (their weights
-    become views of one concatenated weight: no extra memory; runner/fused_projections.py). Changes
-    a model object handed over in place, like compile_model.
+    become views of one concatenated weight: no extra memory; runner/fused_projections.py); None:
+    on for CUDA devices when LLM loads the model itself and its layers have such projections (2-3%
+    more output tokens/s on a 7B, H200); a model object handed over stays as it is unless True.
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -75,7 +77,7 @@ class LLM:
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
                  context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False,
-                 prefill_delay_factor: float | None = None, fuse_projections: bool = False):
+                 prefill_delay_factor: float | None = None, fuse_projections: bool | None = None):
         loaded_here = model is None or isinstance(model, str)
         if loaded_here:
             model, tokenizer = load_model(model, device=device, dtype=dtype)
@@ -119,8 +121,11 @@ class LLM:
         if not is_seconds(kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={kv_release_after_s!r} is not supported; allowed: seconds >= 0 "
                               "(0: give spare KV memory back at once)")
-        if not isinstance(fuse_projections, bool):
-            raise ConfigError(f"fuse_projections={fuse_projections!r} is not supported; allowed: True or False")
+        if fuse_projections is None:  # like compile_model: a model object stays as handed over
+            fuse_projections = device.type == "cuda" and loaded_here and can_fuse(model)
+        elif not isinstance(fuse_projections, bool):
+            raise ConfigError(f"fuse_projections={fuse_projections!r} is not supported; allowed: True, False or None "
+                              "(None: on for CUDA devices when LLM loads the model itself)")
         if not isinstance(keep_prefix_cache, bool):
             raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
         memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization)

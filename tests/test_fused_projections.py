@@ -10,7 +10,7 @@ import ponytail
 from ponytail import SamplingParams
 from ponytail.errors import ConfigError
 from ponytail.runner.compile import restore_decoder_layers
-from ponytail.runner.fused_projections import fuse_projections, unfuse_projections
+from ponytail.runner.fused_projections import can_fuse, fuse_projections, unfuse_projections
 from test_engine import plain_greedy
 from tiny_models import sharp_llama
 
@@ -47,7 +47,9 @@ def test_fused_model_gives_the_same_logits_in_the_same_memory(bias):
         expected = model(ids).logits
     weights = {id(m): m.weight.clone() for m in members(model)}
     before = storage_bytes(model)
+    assert can_fuse(model)
     assert fuse_projections(model) == 4  # q/k/v and gate/up in each of 2 layers
+    assert fuse_projections(model) == 4  # fusing again is a no-op (a model handed to a second LLM)
     assert storage_bytes(model) == before  # members are views of the fused weights, the old ones are gone
     attn = model.model.layers[0].self_attn
     fused = attn.q_proj.weight.untyped_storage().data_ptr()
@@ -122,7 +124,23 @@ def test_fuse_projections_refuses_what_it_cannot_fuse(default_model):
                 setattr(layer.self_attn, name, torch.nn.Identity())
             if hasattr(layer.mlp, name):
                 setattr(layer.mlp, name, torch.nn.Identity())
+    assert not can_fuse(model)
     with pytest.raises(ConfigError, match="fuse_projections=True found nothing to fuse in LlamaForCausalLM"):
         fuse_projections(model)
-    with pytest.raises(ConfigError, match="fuse_projections='yes' is not supported; allowed: True or False"):
+    with pytest.raises(ConfigError, match=r"fuse_projections='yes' is not supported; allowed: True, False or None"):
         ponytail.LLM(llama(), tokenizer=default_model[1], kv_cache_memory="4MiB", fuse_projections="yes")
+    no_layers = torch.nn.Linear(4, 4)
+    assert not can_fuse(no_layers)
+    with pytest.raises(ConfigError, match="fuse_projections=True needs a decoder with a `layers` list; Linear"):
+        fuse_projections(no_layers)
+
+
+def test_default_leaves_cpu_models_and_handed_over_models_unfused(default_model, tmp_path):
+    """None fuses only on CUDA and only a model LLM loaded itself (the GPU tests cover that side)."""
+    model = llama()
+    ponytail.LLM(model, tokenizer=default_model[1], kv_cache_memory="4MiB", max_model_len=64)
+    assert not any("forward" in vars(m) for m in members(model))
+    model.save_pretrained(tmp_path)
+    default_model[1].save_pretrained(tmp_path)
+    loaded = ponytail.LLM(str(tmp_path), kv_cache_memory="4MiB", max_model_len=64).engine.model
+    assert not any("forward" in vars(m) for m in members(loaded))

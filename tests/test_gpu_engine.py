@@ -146,3 +146,35 @@ def test_parallel_samples_share_the_prompt_on_gpu(monkeypatch, cuda_graphs):
     assert first == again and all(len({tuple(t) for t in samples}) == 4 for samples in first)
     assert llm.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
     assert llm.engine.scheduler.promises.total == 0
+
+
+def word_tokenizer(vocab_size: int):
+    """A tokenizer for a checkpoint directory: one word per id, no files from anywhere."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab_size)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0", pad_token="w0", eos_token="w1")
+
+
+def test_llm_from_a_directory_compiles_and_fuses_by_default(monkeypatch, tmp_path):
+    """LLM(path) on CUDA: compile_model and fuse_projections on by default, same greedy tokens."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    model.save_pretrained(tmp_path)
+    word_tokenizer(model.config.vocab_size).save_pretrained(tmp_path)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 1000) for _ in range(rng.randint(5, 200))] for _ in range(4)]
+    expected = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=12, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = ponytail.LLM(str(tmp_path), dtype=torch.float32, kv_cache_memory="64MiB", max_num_seqs=4,
+                       max_model_len=512)
+    loaded = llm.engine.model
+    attn = loaded.model.layers[0].self_attn
+    assert "forward" in vars(loaded.model.layers[0])  # compiled
+    assert "forward" in vars(attn.q_proj) and "forward" in vars(loaded.model.layers[0].mlp.up_proj)  # fused
+    assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    assert llm.engine.runner.graphs.replays > 0

@@ -31,11 +31,12 @@ logger = logging.getLogger("ponytail.engine")
 _CACHE_SIZE_PER_LAYER = 8
 
 
-def decoder_layers(model) -> torch.nn.ModuleList:
+def decoder_layers(model, wanted_by: str = "compile_model=True") -> torch.nn.ModuleList:
+    """The decoder's layers; wanted_by names the setting that needs them in the error."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList) or not len(layers):
-        raise ConfigError(f"compile_model=True needs a decoder with a `layers` list; {type(model).__name__} "
+        raise ConfigError(f"{wanted_by} needs a decoder with a `layers` list; {type(model).__name__} "
                           "has none (supported: Llama, Mistral, Qwen2/Qwen3 and similar)")
     return layers
 

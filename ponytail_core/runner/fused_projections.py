@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
-from .compile import decoder_layers
+from .compile import can_compile, decoder_layers
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -61,9 +61,18 @@ def _fusable(linears: list) -> bool:
                     for m in linears))
 
 
-def _fuse_group(owner: torch.nn.Module, names: tuple[str, ...]) -> bool:
-    linears = [getattr(owner, name, None) for name in names]
-    if any(m is None for m in linears) or not _fusable(linears) or _FUSED_ATTR in vars(linears[0]):
+def _group(layer, attr: str, names: tuple[str, ...]) -> list | None:
+    """The group's member modules, or None where the layer lacks one of them."""
+    owner = getattr(layer, attr, None)
+    linears = [getattr(owner, name, None) for name in names] if owner is not None else [None]
+    return None if any(m is None for m in linears) else linears
+
+
+def _fuse_group(linears: list) -> bool:
+    """Fuses one group in place; True where it is fused now (already fused counts: fusing twice is a no-op)."""
+    if _FUSED_ATTR in vars(linears[0]):
+        return True
+    if not _fusable(linears):
         return False
     with torch.no_grad():
         weight = torch.cat([m.weight for m in linears])
@@ -82,15 +91,24 @@ def _fuse_group(owner: torch.nn.Module, names: tuple[str, ...]) -> bool:
     return True
 
 
+def can_fuse(model) -> bool:
+    """Whether fuse_projections would fuse anything: some layer has a group of plain nn.Linear
+    members of one input size, dtype and device (Llama, Mistral, Qwen2 have two per layer)."""
+    if not can_compile(model):
+        return False
+    return any((linears := _group(layer, attr, names)) is not None and _fusable(linears)
+               for layer in decoder_layers(model) for attr, names in GROUPS)
+
+
 def fuse_projections(model) -> int:
-    """Fuse q/k/v and gate/up in every decoder layer (in place); returns how many groups were fused.
+    """Fuse q/k/v and gate/up in every decoder layer (in place); returns how many groups are fused.
     Groups that are not plain nn.Linear modules of one input size, dtype and device stay as they are."""
-    layers = decoder_layers(model)
+    layers = decoder_layers(model, wanted_by="fuse_projections=True")
     fused = 0
     for layer in layers:
         for attr, names in GROUPS:
-            owner = getattr(layer, attr, None)
-            fused += owner is not None and _fuse_group(owner, names)
+            linears = _group(layer, attr, names)
+            fused += linears is not None and _fuse_group(linears)
     if not fused:
         raise ConfigError(f"fuse_projections=True found nothing to fuse in {type(model).__name__}: its layers have "
                           "no plain nn.Linear q_proj/k_proj/v_proj or gate_proj/up_proj (Llama, Mistral, Qwen2 do)")
@@ -100,10 +118,10 @@ def fuse_projections(model) -> int:
 
 def unfuse_projections(model) -> None:
     """Undo fuse_projections: every member runs its own GEMM again (its weight stays a view)."""
+    if not can_compile(model):
+        return  # no layers list: nothing was fused
     for layer in decoder_layers(model):
         for attr, names in GROUPS:
-            owner = getattr(layer, attr, None)
-            for name in names:
-                member = getattr(owner, name, None) if owner is not None else None
-                if member is not None and vars(member).pop(_FUSED_ATTR, None):
+            for member in _group(layer, attr, names) or []:
+                if vars(member).pop(_FUSED_ATTR, None):
                     vars(member).pop("forward", None)
