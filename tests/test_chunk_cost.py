@@ -2,7 +2,7 @@
 counts its attention over cached context, decode rows count one token each."""
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ponytail
@@ -27,6 +27,7 @@ def test_chunk_cost_counts_the_mean_context_of_the_chunk():
 @settings(max_examples=300, deadline=None)
 @given(want=st.integers(1, 5000), start=st.integers(0, 100_000), budget=st.integers(1, 8192),
        cost=st.sampled_from([0.0, 1 / 3072, 1 / 500, 1 / 24_576, 0.5]))
+@example(want=2048, start=8192, budget=8192, cost=1 / 3072)  # an exact fit the closed form's sqrt rounded under
 def test_chunk_tokens_is_the_largest_chunk_within_the_budget(want, start, budget, cost):
     n = chunk_tokens(want, start, budget, cost)
     assert 1 <= n <= want

@@ -43,4 +43,6 @@ def chunk_tokens(want: int, start: int, budget: int, cost: float) -> int:
     n = int((math.sqrt(b * b + 2 * cost * budget) - b) / cost)
     while n > 0 and chunk_cost(n, start, cost) > budget:  # float rounding, and ceil in chunk_cost
         n -= 1
+    while n < want and chunk_cost(n + 1, start, cost) <= budget:  # rounding the other way (an exact fit)
+        n += 1
     return max(1, min(want, n))
