@@ -25,10 +25,15 @@ class PrefixPublisher:
         self.log = log
         self._report_seqs: deque[int] = deque([0], maxlen=reports_kept)  # newest seq at each recent report
 
-    def routing_stats(self, cached_blocks: int) -> dict:
-        """The prefix part of record_routing_stats(): events since REPORTS_KEPT reports ago."""
+    def routing_stats(self, cached_blocks: int, advance: bool = True) -> dict:
+        """The prefix part of record_routing_stats(): events since REPORTS_KEPT reports ago.
+
+        advance=False reads the same window without moving it, for readers other than the router
+        (`ponytail replicas`, tests): otherwise each of their reads would push events the router
+        has not seen yet out of its next report."""
         events = self.log.since(self._report_seqs[0])
         seq = events[-1].seq if events else self._report_seqs[-1]
-        self._report_seqs.append(seq)
+        if advance:
+            self._report_seqs.append(seq)
         return {STAT_PREFIX_SEQ: seq, STAT_PREFIX_EVENTS: [(e.block_hash, e.stored) for e in events],
                 STAT_CACHED_BLOCKS: cached_blocks}

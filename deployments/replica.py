@@ -249,7 +249,7 @@ class EngineReplica:
     async def model_info(self) -> ModelInfo:
         return self.info
 
-    def record_routing_stats(self) -> dict:
+    def record_routing_stats(self, advance_prefix_window: bool = True) -> dict:
         """Read by the KV-block router every stats period: cheap, no waiting on the engine step.
 
         free_blocks is what a new request can count on: the engine's admissible blocks (free now,
@@ -263,14 +263,17 @@ class EngineReplica:
         free = stats.admissible_blocks - stats.promised_blocks
         return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: stats.max_blocks,
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
-                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(), **self.prefix.routing_stats(stats.cached_blocks)}
+                STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(),
+                **self.prefix.routing_stats(stats.cached_blocks, advance=advance_prefix_window)}
 
     def report(self) -> ReplicaReport:
         """Name, model and device, routing stats, requests taken and engine stats, read together."""
         # ray.get_runtime_context() would start a Ray cluster in a process without one (a local replica)
         actor = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
+        # advance_prefix_window=False: this read must not push events out of the router's next report
         return ReplicaReport(replica=actor or "local", info=self.info,
-                             routing=self.record_routing_stats(), num_requests=self.num_requests,
+                             routing=self.record_routing_stats(advance_prefix_window=False),
+                             num_requests=self.num_requests,
                              stats=self.llm.stats(), num_steps=self.async_llm.num_steps,
                              step_seconds=self.async_llm.step_seconds, admit_seconds=self.admit_seconds,
                              ttft_seconds=self.ttft_seconds, queue_seconds=self.queue_seconds,

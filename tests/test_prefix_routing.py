@@ -124,6 +124,20 @@ def test_reports_carry_the_events_of_the_last_reports_and_idle_ones_none():
         ponytail.PrefixEventLog(0)
 
 
+def test_a_read_that_does_not_advance_leaves_the_routers_window_where_it_was():
+    allocator = BlockAllocator(4, 4)
+    publisher = _publisher(allocator, reports_kept=2)
+    allocator.allocate("s", list(range(8)))
+    allocator.commit("s", 8)
+    h1, h2 = ponytail.prefix_block_hashes(list(range(8)), 4)
+    stored = [(h1, True), (h2, True)]
+    for _ in range(5):  # `ponytail replicas` or a test polling: the window stays put
+        assert publisher.routing_stats(0, advance=False)["prefix_events"] == stored
+    assert publisher.routing_stats(0)["prefix_events"] == stored  # the router still gets them
+    assert publisher.routing_stats(0)["prefix_events"] == stored  # and once more (reports_kept=2)
+    assert publisher.routing_stats(0)["prefix_events"] == []
+
+
 def test_an_event_log_that_forgot_events_shows_the_gap():
     log = ponytail.PrefixEventLog(capacity=2)
     for h in (11, 12, 13):

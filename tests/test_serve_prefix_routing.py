@@ -9,7 +9,9 @@ cached blocks are nearly all it needs) still goes to A and hits its cache there.
 router (ROUTER = "kv_blocks") sends that turn to B, the idle one, and this test fails there.
 """
 
+import threading
 import time
+from collections import defaultdict
 
 import pytest
 
@@ -48,21 +50,49 @@ def wait_for(condition, what, timeout=60):
     raise AssertionError(f"timed out waiting for {what}: {taken(reports)}")
 
 
+def stored_hashes_during(call):
+    """(call(), {replica: block hashes its reports said it stored}), reading the reports every 0.1 s
+    while call() runs and once after. A report repeats an event for REPORTS_KEPT reports only (the
+    router reads them all), so on a loaded CPU a prompt prefilled in several chunks can push its
+    first events out of any single report read after the answer."""
+    seen: dict[str, set[int]] = defaultdict(set)
+    done = threading.Event()
+
+    def read():
+        for name, report in replica_reports().items():
+            seen[name].update(h for h, is_stored in report.routing["prefix_events"] if is_stored)
+
+    def watch():
+        while not done.wait(0.1):
+            read()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = call()
+    finally:
+        done.set()
+        watcher.join()
+    read()
+    return result, seen
+
+
 def test_the_next_turn_of_a_chat_goes_where_its_prefix_is_cached(app, default_model):
     client, _ = app
     tokenizer = default_model[1]
     before = taken(replica_reports())
     turn1 = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Which planet is largest?"}]
-    # Two tokens: the report below comes within the 2 s its prefill's events stay in the reports.
-    answer = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=2, temperature=0)
+    answer, stored_by = stored_hashes_during(
+        lambda: client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=2, temperature=0))
     reports = replica_reports()
     a = next(name for name in reports if reports[name].num_requests > before[name])
     b = next(name for name in reports if name != a)
     ids = chat_token_ids(tokenizer, turn1)
-    stored = {h for h, is_stored in reports[a].routing["prefix_events"] if is_stored}
+    stored = stored_by[a]
     expected = ponytail.prefix_block_hashes(ids, BLOCK)  # every full block of the prompt, computed here
     assert len(expected) == len(ids) // BLOCK >= 16
     assert set(expected) <= stored, (len(ids), len(stored), reports[a].routing["prefix_seq"])
+    assert not set(expected) & stored_by[b]  # B never saw this prompt
 
     turn2 = turn1 + [{"role": "assistant", "content": answer.choices[0].message.content},
                      {"role": "user", "content": "And the smallest?"}]
