@@ -12,6 +12,7 @@ fails is not timed; `--check-tokens 0` skips the check and says so.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import inspect
 import json
@@ -29,6 +30,7 @@ from rich.table import Table
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.attention import decode as decode_kernel
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import can_compile, restore_decoder_layers
 from ponytail.runner.fused_projections import can_fuse, unfuse_projections
@@ -40,12 +42,15 @@ from vllm_peer import read_results, run_vllm
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
 # LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
 _SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
+# A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs.
+LAUNCH_PREFIX = "decode."
 
 
 def parse_peer(peer: str) -> tuple[str, dict]:
-    """'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0' -> ('ponytail', {LLM kwargs});
-    values are YAML scalars. A plain name comes back with no kwargs. Raises ValueError, naming the
-    argument, for a kwarg LLM does not take or one the benchmark sets itself."""
+    """'ponytail:max_num_batched_tokens=16384;decode.decode_warps=8' -> ('ponytail', {kwargs});
+    values are YAML scalars; decode.<key> names a decode-kernel launch tunable (an int), the rest LLM
+    arguments. A plain name comes back with no kwargs. Raises ValueError, naming the argument, for a
+    kwarg LLM does not take, one the benchmark sets itself, or an unknown launch key."""
     base, sep, rest = peer.partition(":")
     if not sep:
         return peer, {}
@@ -55,11 +60,32 @@ def parse_peer(peer: str) -> tuple[str, dict]:
     kwargs = {}
     for item in filter(None, rest.split(";")):
         name, eq, value = (part.strip() for part in item.partition("="))
+        if eq and name.startswith(LAUNCH_PREFIX):
+            key, parsed = name[len(LAUNCH_PREFIX):], yaml.safe_load(value)
+            if key not in decode_kernel.LAUNCH or type(parsed) is not int:
+                raise ValueError(f"--peers {peer!r}: {name}={value!r}: expected decode.<key>=<int> with a key of "
+                                 f"ponytail.attention.decode.LAUNCH ({', '.join(decode_kernel.LAUNCH)})")
+            kwargs[name] = parsed
+            continue
         if not eq or name not in allowed:
             raise ValueError(f"--peers {peer!r}: expected name=value with a name LLM takes; got {item!r} "
-                             f"(allowed: {', '.join(sorted(allowed))})")
+                             f"(allowed: {', '.join(sorted(allowed))}, or decode.<launch key>)")
         kwargs[name] = yaml.safe_load(value)
     return base, kwargs
+
+
+@contextlib.contextmanager
+def peer_launch(peer: str):
+    """The peer's decode.<key> overrides in ponytail.attention.decode.LAUNCH while it runs (its
+    engine plans and captures its decode launches with them), the previous values after."""
+    overrides = {k[len(LAUNCH_PREFIX):]: v for k, v in parse_peer(peer)[1].items() if k.startswith(LAUNCH_PREFIX)}
+    saved = dict(decode_kernel.LAUNCH)
+    decode_kernel.LAUNCH.update(overrides)
+    try:
+        yield
+    finally:
+        decode_kernel.LAUNCH.clear()
+        decode_kernel.LAUNCH.update(saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +105,7 @@ def llm_args_for(peer: str, model) -> dict:
     leave it eager and unfused; "ponytail" gets what `LLM(dir)` chooses when it loads the model
     itself (compile_model and fuse_projections on CUDA), then the peer's own arguments."""
     base, own = parse_peer(peer)
+    own = {k: v for k, v in own.items() if not k.startswith(LAUNCH_PREFIX)}  # see peer_launch
     compiled = VARIANTS[base]
     on_cuda = next(model.parameters()).device.type == "cuda"
     if compiled is None:
@@ -289,7 +316,8 @@ def run(args, peers: list[str]) -> int:
     verdicts = {}
     ours = [p for p in peers if p != "vllm"]
     for peer in ours:
-        verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, llm_args_for(peer, model))
+        with peer_launch(peer):
+            verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, llm_args_for(peer, model))
     if vllm is not None:
         report["start"]["vllm"] = vllm["start"]
         report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
@@ -307,8 +335,9 @@ def run(args, peers: list[str]) -> int:
         llm_args = llm_args_for(peer, model)
         report["results"][peer] = {}
         for w in workloads:  # each printed as it lands: a run cut short keeps what it measured
-            report["results"][peer][w.name] = rates(run_ponytail(model, tokenizer, w, args.kv_memory, warmup,
-                                                                 llm_args))
+            with peer_launch(peer):
+                result = run_ponytail(model, tokenizer, w, args.kv_memory, warmup, llm_args)
+            report["results"][peer][w.name] = rates(result)
             print(f"{peer} {w.name}: {report['results'][peer][w.name][f'{w.metric}_tokens_per_s']:,.1f} "
                   f"{w.metric} tokens/s", flush=True)
     print_table(report, workloads)

@@ -187,6 +187,11 @@ def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_m
         parse_peer("ponytail:kv_cache_memory=1GiB")
     with pytest.raises(ValueError, match="got 'cuda_graphs'"):
         parse_peer("ponytail:cuda_graphs")
+    with pytest.raises(ValueError, match=r"decode.warps='8': expected decode.<key>=<int> with a key of "
+                                         r"ponytail.attention.decode.LAUNCH \(decode_warps, "):
+        parse_peer("ponytail:decode.warps=8")
+    with pytest.raises(ValueError, match=r"decode.decode_warps='eight': expected decode.<key>=<int>"):
+        parse_peer("ponytail:decode.decode_warps=eight")
 
 
 def test_bench_engine_peer_arguments_are_yaml_scalars():
@@ -194,6 +199,21 @@ def test_bench_engine_peer_arguments_are_yaml_scalars():
     assert parse_peer("ponytail_compiled") == ("ponytail_compiled", {})
     assert parse_peer("ponytail:max_num_batched_tokens=16384; prefill_delay_factor=0.5;cuda_graphs=false") == (
         "ponytail", {"max_num_batched_tokens": 16384, "prefill_delay_factor": 0.5, "cuda_graphs": False})
+
+
+def test_a_peers_decode_launch_overrides_hold_while_it_runs_and_not_after():
+    peer_bench = benchmark_module("peer_bench")
+    launch = peer_bench.decode_kernel.LAUNCH
+    before = dict(launch)
+    peer = "ponytail:decode.max_split_blocks=64;decode.decode_warps=8;cuda_graphs=false"
+    assert peer_bench.parse_peer(peer)[1] == {"decode.max_split_blocks": 64, "decode.decode_warps": 8,
+                                              "cuda_graphs": False}
+    with peer_bench.peer_launch(peer):
+        assert launch == {**before, "max_split_blocks": 64, "decode_warps": 8}
+    assert launch == before
+    with pytest.raises(RuntimeError), peer_bench.peer_launch(peer):
+        raise RuntimeError("a peer that fails mid-run")
+    assert launch == before
 
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
