@@ -48,6 +48,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import socket
 import statistics
 import sys
@@ -56,11 +57,13 @@ import time
 
 import openai
 import ray
+import yaml
 from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 import ponytail
 from deployments.app import build
+from deployments.args import AppArgs
 from deployments.reports import replica_reports
 
 from chat_workload import ChatShape, run_chat, sessions as chat_sessions
@@ -70,6 +73,10 @@ MODEL = "SmolLM2-135M-Instruct"  # the model_id both apps serve, whatever the ch
 # separate OpenAI ingress in front of the engine replicas, which the prefix router needs (it reads
 # the prompt; Serve's proxy shows a router none), so only the router differs.
 _SAME_SHAPE = {"api_in_engines": False}
+# App args every run sets from the command line (the model, the pool, the replica count): not
+# overridable per router.
+_SET_BY_BENCH = {"model", "model_id", "kv_cache_memory", "max_model_len", "min_replicas", "max_replicas", "device",
+                 "num_gpus", "router", "api_in_engines"}
 ROUTER_ARGS = {
     "kv_blocks": {"router": "kv_blocks", **_SAME_SHAPE},
     "prefix": {"router": "prefix", **_SAME_SHAPE},  # kv_blocks plus prefix-cache affinity (deployments/prefix_router.py)
@@ -222,14 +229,29 @@ def replica_counters(app_name) -> dict[str, tuple]:
 
 def router_args(name: str) -> dict | None:
     """The app args of a --routers name: one of ROUTER_ARGS, or prefix@W (the prefix router with
-    prefix_weight W); None when it is neither."""
+    prefix_weight W), either optionally followed by app args (`prefix:prefill_delay_factor=0;
+    compile_model=true`, YAML values); None when the name is none of these. Raises ValueError,
+    naming it, for an app arg AppArgs does not take or one the benchmark sets itself."""
+    name, sep, rest = name.partition(":")
     if name in ROUTER_ARGS:
-        return ROUTER_ARGS[name]
-    base, _, weight = name.partition("@")
-    try:
-        return {**ROUTER_ARGS[base], "prefix_weight": float(weight)} if base == "prefix" and weight else None
-    except ValueError:
-        return None
+        base = ROUTER_ARGS[name]
+    else:
+        router, _, weight = name.partition("@")
+        try:
+            base = {**ROUTER_ARGS[router], "prefix_weight": float(weight)} if router == "prefix" and weight else None
+        except ValueError:
+            base = None
+    if base is None or not sep:
+        return base
+    extra = {}
+    for item in filter(None, rest.split(";")):
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or key not in AppArgs.model_fields or key in _SET_BY_BENCH:
+            allowed = sorted(set(AppArgs.model_fields) - _SET_BY_BENCH)
+            raise ValueError(f"--routers {name + sep + rest!r}: expected key=value with an app arg the benchmark "
+                             f"does not set itself; got {item!r} (allowed: {', '.join(allowed)})")
+        extra[key] = yaml.safe_load(value)
+    return {**base, **extra}
 
 
 def gap_list(text: str) -> list[float]:
@@ -256,7 +278,8 @@ def main() -> int:
     parser.add_argument("--gaps", type=gap_list, help="seconds between bursts, one load each "
                         "(default: 1.0 on GPUs, 0.5 --small)")
     parser.add_argument("--routers", help=f"order of the runs in the first round (later rounds reverse it); "
-                        f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W) "
+                        f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W), each "
+                        "optionally with app args after a colon (prefix:prefill_delay_factor=0;compile_model=true) "
                         "(default: kv_blocks,power_of_two; --workload chat: prefix,kv_blocks,power_of_two)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of every router, the order reversed every round; results pooled")
@@ -282,9 +305,13 @@ def main() -> int:
         parser.error(f"--pool-share {args.pool_share}: expected more than 0 and at most 4")
     chat = args.workload == "chat"
     routers = (args.routers or ("prefix,kv_blocks,power_of_two" if chat else "kv_blocks,power_of_two")).split(",")
-    unknown = [r for r in routers if router_args(r) is None]
+    try:
+        unknown = [r for r in routers if router_args(r) is None]
+    except ValueError as error:
+        parser.error(str(error))
     if unknown:
-        parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}, prefix@W (prefix_weight W)")
+        parser.error(f"--routers: unknown {unknown}; allowed: {', '.join(ROUTER_ARGS)}, prefix@W (prefix_weight W), "
+                     "each optionally with app args (name:key=value;key=value)")
     if args.small:
         sizes = dict(n=16, long_share=0.25, long_len=300, short_len=20, max_tokens=16, burst=4, max_model_len=1024)
         shape = ChatShape(sessions=args.sessions or 4, turns=3, system_prompts=2, system_words=60, user_words=10,
@@ -348,7 +375,7 @@ def main() -> int:
     try:
         for round_index in range(args.rounds):
             for router in routers if round_index % 2 == 0 else routers[::-1]:
-                path = router.replace("@", "-w")
+                path = re.sub(r"[^A-Za-z0-9_.-]+", "-", router.replace("@", "-w")).strip("-")
                 name = f"ponytail-{path}"
                 serve.run(build({**engine, **router_args(router), "min_replicas": 2, "max_replicas": 2}), name=name,
                           route_prefix=f"/{path}")

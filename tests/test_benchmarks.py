@@ -228,6 +228,22 @@ def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
         assert message in result.stderr
 
 
+def test_bench_router_routers_carry_app_args_checked_against_the_apps_args():
+    router_args = benchmark_module("bench_router").router_args
+    assert router_args("prefix:prefill_delay_factor=0;compile_model=true") == {
+        "router": "prefix", "api_in_engines": False, "prefill_delay_factor": 0, "compile_model": True}
+    assert router_args("prefix@0.5:max_num_seqs=32") == {
+        "router": "prefix", "api_in_engines": False, "prefix_weight": 0.5, "max_num_seqs": 32}
+    assert router_args("power_of_two") == {"router": "power_of_two", "api_in_engines": False}
+    assert router_args("random:max_num_seqs=32") is None
+    with pytest.raises(ValueError, match=r"--routers 'prefix:prefill_delay=0': expected key=value with an app arg "
+                                         r"the benchmark does not set itself; got 'prefill_delay=0' \(allowed: .*"
+                                         r"prefill_delay_factor"):
+        router_args("prefix:prefill_delay=0")
+    with pytest.raises(ValueError, match="got 'kv_cache_memory=1000'"):  # the benchmark sizes the pool itself
+        router_args("kv_blocks:kv_cache_memory=1000")
+
+
 @pytest.mark.network
 def test_bench_structured_small_runs_both_batches_to_the_same_length(tmp_path):
     pytest.importorskip("xgrammar")
