@@ -122,3 +122,30 @@ def test_the_default_and_bad_values(tiny_model):
         with pytest.raises(ConfigError, match=r"prefill_delay_factor=.* is not supported; allowed: a number >= 0"):
             ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=4, max_model_len=256,
                          prefill_delay_factor=bad)
+
+
+def test_prompts_that_fill_the_step_do_not_wait(tiny_model):
+    engine, clock = engine_with_clock(tiny_model, 1.0)
+    engine.scheduler.context_cost = 0.0  # every token counts one budget unit
+    engine.scheduler.max_num_batched_tokens = 64
+    add(engine, clock, "a")
+    assert step_at(engine, clock, 0.0) == [("a", 20)]
+    assert step_at(engine, clock, 0.010) == [("a", 1)]  # the prefill step took 10 ms: later prompts wait up to that
+    clock.now = 0.011
+    add(engine, clock, "b", prompt_len=30)
+    assert step_at(engine, clock, 0.012) == [("a", 1)]  # 30 tokens leave room in the 63 after a's row: b waits
+    add(engine, clock, "c", prompt_len=33)  # b and c together take all 63: nothing could join them
+    assert step_at(engine, clock, 0.013) == [("a", 1), ("b", 30), ("c", 33)]
+
+
+def test_prompts_that_take_every_free_seat_do_not_wait(tiny_model):
+    engine, clock = engine_with_clock(tiny_model, 1.0)
+    engine.scheduler.max_num_seqs = 3
+    add(engine, clock, "a")
+    step_at(engine, clock, 0.0)
+    step_at(engine, clock, 0.010)
+    clock.now = 0.011
+    add(engine, clock, "b", prompt_len=5)
+    assert step_at(engine, clock, 0.012) == [("a", 1)]  # a seat is still free after b: b waits
+    add(engine, clock, "c", prompt_len=5)  # the last free seat
+    assert step_at(engine, clock, 0.013) == [("a", 1), ("b", 5), ("c", 5)]

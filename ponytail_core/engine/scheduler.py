@@ -17,7 +17,8 @@ forward pass without CUDA graphs, several times as long as a decode step for a s
 streaming traffic a prompt arrives every step or two, so without a delay nearly every step is one
 of those. While requests decode, new prompts wait until the oldest has waited factor x the last
 prefill step's duration (at most MAX_PREFILL_DELAY_S): prompts that arrive close together share
-one such step, and the decode steps between them replay graphs.
+one such step, and the decode steps between them replay graphs. Prompts that already fill a step
+(its token budget or its free seats) never wait: no later prompt could join them.
 """
 
 from __future__ import annotations
@@ -149,19 +150,37 @@ class Scheduler:
             budget -= used
             i += 1
         running = len(chunks)
-        if not preempted and not self._hold_prompts(chunks, prefilling, now):
+        if not preempted and not self._hold_prompts(chunks, prefilling, now, budget):
             self._admit(chunks, budget)
         if self.prefill_delay_factor and (prefilling or any(c.num_tokens > 1 for c in chunks[running:])):
             self._prefill_scheduled_at = now
         return SchedulerOutput(chunks=chunks)
 
-    def _hold_prompts(self, chunks: list[ScheduledChunk], prefilling: bool, now: float) -> bool:
-        """Whether waiting prompts sit out this step: it is all decode rows (a graph step), and the
-        oldest prompt has waited less than prefill_delay_factor x the last prefill step."""
+    def _hold_prompts(self, chunks: list[ScheduledChunk], prefilling: bool, now: float, budget: int) -> bool:
+        """Whether waiting prompts sit out this step: it is all decode rows (a graph step), the
+        oldest prompt has waited less than prefill_delay_factor x the last prefill step, and the
+        prompts waiting now would not fill the step anyway (the wait only lets later prompts join
+        the step; when those waiting already take its whole token budget or every free seat, it
+        adds latency and nothing else)."""
         if not (self.prefill_delay_factor and self.waiting and chunks) or prefilling:
             return False
         delay = min(self.prefill_delay_factor * self.prefill_step_s, MAX_PREFILL_DELAY_S)
-        return now - self.waiting[0].metrics.arrival_time < delay
+        if now - self.waiting[0].metrics.arrival_time >= delay:
+            return False
+        return not self._waiting_fill_step(budget)
+
+    def _waiting_fill_step(self, budget: int) -> bool:
+        """Whether the waiting prompts, admitted in order, would use the rest of the step's token
+        budget or its free seats. A prompt counts its tokens not yet computed, one budget unit each:
+        prefix-cache hits are not looked up (a hash walk per prompt per step) and context costs
+        (chunk_cost.py) are not added, so this is an estimate, not the admission itself."""
+        seats = self.max_num_seqs - sum(r.seqs_to_come for r in self.running)
+        for request in self.waiting:
+            seats -= request.seqs_to_come
+            budget -= len(request.all_token_ids) - request.num_computed_tokens
+            if budget <= 0 or seats <= 0:
+                return True
+        return False
 
     def _reserve_next(self, request: Request) -> bool:
         """Slots for tokens the request has but the cache has not reserved (the last sampled one)."""
