@@ -285,7 +285,8 @@ def main() -> int:
                         help="comma-separated: plain, generate_batch, ponytail, ponytail_compiled; side by "
                              "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm, and any of "
                              "the three ponytail ones with LLM arguments, e.g. "
-                             "'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0'")
+                             "'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0', or with decode "
+                             "kernel launch tunables while that peer runs, e.g. 'ponytail:decode.decode_warps=8'")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")
