@@ -80,6 +80,13 @@ def test_flags_become_typed_app_args():
     assert AppArgs(model=HUB_ID).served_name() == HUB_ID  # a client loads the tokenizer by this name
 
 
+def _as_in_a_terminal() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it. A shell script's
+    background job (`cmd &` without job control) inherits SIGINT ignored, and Python then installs
+    no KeyboardInterrupt handler, so the Ctrl-C these tests send would never arrive."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -99,7 +106,7 @@ def test_ponytail_serve_answers_the_readme_example_and_stops_on_ctrl_c(default_m
     with log.open("w") as out:  # a file, not a pipe: Ray's logs must never block the server
         process = subprocess.Popen([sys.executable, "-m", "ponytail.cli", "serve", "--port", str(port),
                                     "--replicas", "1"], stdout=out, stderr=subprocess.STDOUT,
-                                   start_new_session=True, cwd=tmp_path)
+                                   start_new_session=True, preexec_fn=_as_in_a_terminal, cwd=tmp_path)
     try:
         content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
         assert f"ponytail: serving '{MODEL}' at http://127.0.0.1:{port}/v1" in content
@@ -172,7 +179,8 @@ def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(d
                 [sys.executable, "-m", "ponytail.cli", "serve", HUB_ID, "--address",
                  ray.get_runtime_context().gcs_address, "--replicas", "1", "--device", "cpu",
                  "--kv-cache-memory", "256MiB", "--max-num-seqs", "8", "--served-model-name", "smol"],
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path)
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_as_in_a_terminal,
+                cwd=tmp_path)
         try:
             content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
             assert "serving 'smol' at the HTTP address of the Serve already running there" in content
