@@ -31,12 +31,13 @@ from ponytail.attention.flash import flash_varlen
 
 def steps_of(lengths: list[int], step_tokens: int) -> list[list[int]]:
     """Whole prompts in arrival order, a new step when the next would pass step_tokens."""
-    steps, current = [], []
+    steps, current, tokens = [], [], 0
     for n in lengths:
-        if current and sum(current) + n > step_tokens:
+        if current and tokens + n > step_tokens:
             steps.append(current)
-            current = []
+            current, tokens = [], 0
         current.append(n)
+        tokens += n
     return steps + ([current] if current else [])
 
 

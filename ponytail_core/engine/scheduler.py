@@ -177,7 +177,7 @@ class Scheduler:
         seats = self.max_num_seqs - sum(r.seqs_to_come for r in self.running)
         for request in self.waiting:
             seats -= request.seqs_to_come
-            budget -= len(request.all_token_ids) - request.num_computed_tokens
+            budget -= request.num_tokens - request.num_computed_tokens  # no list copy, as all_token_ids makes
             if budget <= 0 or seats <= 0:
                 return True
         return False
