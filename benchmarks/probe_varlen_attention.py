@@ -1,7 +1,9 @@
-"""Prefill attention of packed prompts of varied lengths on the GPU: flash varlen against cuDNN's ragged kernel.
+"""Prefill attention of packed prompts of varied lengths on the GPU: flash varlen against cuDNN's ragged kernel
+and, where the `flash-attn-4` package is installed, FlashAttention-4's CuTe kernels (Hopper's wgmma/TMA design).
 
     python benchmarks/probe_varlen_attention.py                 # 7B shape: 32 heads, D 128, bf16
     python benchmarks/probe_varlen_attention.py --kv-heads 8    # the same with GQA (4 query heads per KV head)
+    python benchmarks/probe_varlen_attention.py --methods flash_varlen,fa4_varlen --packed-qkv
 
 The engine's prefill steps pack whole prompts of different lengths end to end; with more distinct
 lengths than a few SDPA calls take, `chunks.attention_over_new_tokens` runs torch's flash varlen
@@ -52,9 +54,19 @@ def cu_of(lengths: list[int], device) -> torch.Tensor:
     return torch.tensor(cu, dtype=torch.int32, device=device)
 
 
-def flash(q, k, v, lengths, scale):
-    cu = cu_of(lengths, q.device)
-    return flash_varlen(q, k, v, cu, cu, max(lengths), max(lengths), scale)
+def flash(q, k, v, lengths, scale, key_lengths=None):
+    key_lengths = key_lengths or lengths
+    return flash_varlen(q, k, v, cu_of(lengths, q.device), cu_of(key_lengths, q.device), max(lengths),
+                        max(key_lengths), scale)
+
+
+def fa4(q, k, v, lengths, scale, key_lengths=None):
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    key_lengths = key_lengths or lengths
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_of(lengths, q.device),
+                                  cu_seqlens_k=cu_of(key_lengths, q.device), max_seqlen_q=max(lengths),
+                                  max_seqlen_k=max(key_lengths), softmax_scale=scale, causal=True)[0]
 
 
 def cudnn(q, k, v, lengths, scale, bucketed: bool = False):
@@ -78,22 +90,34 @@ def sdpa_rows(q, k, v, lengths, scale):
     return out
 
 
-def reference(q, k, v, lengths, scale):
-    """float32, row by row, GQA by repeating K/V heads."""
+def reference(q, k, v, lengths, scale, key_lengths=None):
+    """float32, row by row, GQA by repeating K/V heads; causal aligned bottom right (a row's queries
+    are the last of its keys, as a chunk after its context)."""
     group = q.shape[1] // k.shape[1]
-    out, start = torch.empty(q.shape, dtype=torch.float32, device=q.device), 0
-    for n in lengths:
+    out, start, key_start = torch.empty(q.shape, dtype=torch.float32, device=q.device), 0, 0
+    for n, m in zip(lengths, key_lengths or lengths):
         qq = q[start:start + n].float().transpose(0, 1)
-        kk = k[start:start + n].float().transpose(0, 1).repeat_interleave(group, 0)
-        vv = v[start:start + n].float().transpose(0, 1).repeat_interleave(group, 0)
+        kk = k[key_start:key_start + m].float().transpose(0, 1).repeat_interleave(group, 0)
+        vv = v[key_start:key_start + m].float().transpose(0, 1).repeat_interleave(group, 0)
         scores = (qq @ kk.transpose(1, 2)) * scale
-        scores.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        scores.masked_fill_(torch.ones(n, m, dtype=torch.bool, device=q.device).triu(m - n + 1), float("-inf"))
         out[start:start + n] = (scores.softmax(-1) @ vv).transpose(0, 1)
-        start += n
+        start, key_start = start + n, key_start + m
     return out
 
 
-METHODS = {"flash_varlen": flash, "cudnn_ragged": cudnn,
+def context_error(fn, heads: int, kv_heads: int, head_dim: int, scale: float, gen) -> float:
+    """Largest |error| against float32 for chunks after a context (more keys than queries)."""
+    lengths, key_lengths = [1, 7, 300, 64, 1000], [1, 520, 300, 2048, 1100]
+    q = torch.randn((sum(lengths), heads, head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn((sum(key_lengths), kv_heads, head_dim), generator=gen, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    got = fn(q, k, v, lengths, scale, key_lengths)
+    return (got.float() - reference(q, k, v, lengths, scale, key_lengths)).abs().max().item()
+
+
+TAKES_CONTEXT = {"flash_varlen", "fa4_varlen"}
+METHODS = {"flash_varlen": flash, "fa4_varlen": fa4, "cudnn_ragged": cudnn,
            "cudnn_bucketed": lambda *a: cudnn(*a, bucketed=True), "sdpa_per_row": sdpa_rows}
 
 
@@ -105,8 +129,15 @@ def main() -> int:
     parser.add_argument("--step-tokens", type=int, default=8192)
     parser.add_argument("--requests", type=int, default=peer_workloads.MIXED_REQUESTS)
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)}")
+    parser.add_argument("--packed-qkv", action="store_true",
+                        help="q, k and v as column slices of one [tokens, Hq + 2 Hkv, D] tensor, as the engine's "
+                             "fused projection leaves them (strided rows), instead of three contiguous tensors")
     parser.add_argument("--json")
     args = parser.parse_args()
+    unknown = set(args.methods.split(",")) - METHODS.keys()
+    if unknown:
+        parser.error(f"--methods: {', '.join(sorted(unknown))} unknown; choose from {', '.join(METHODS)}")
     if not torch.cuda.is_available():
         print("needs a CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
         return 2
@@ -118,9 +149,14 @@ def main() -> int:
     data = []
     for step in steps:
         t = sum(step)
-        q = torch.randn((t, args.heads, args.head_dim), generator=gen, device=device, dtype=dtype)
-        k = torch.randn((t, args.kv_heads, args.head_dim), generator=gen, device=device, dtype=dtype)
-        v = torch.randn((t, args.kv_heads, args.head_dim), generator=gen, device=device, dtype=dtype)
+        if args.packed_qkv:
+            qkv = torch.randn((t, args.heads + 2 * args.kv_heads, args.head_dim), generator=gen, device=device,
+                              dtype=dtype)
+            q, k, v = qkv.split([args.heads, args.kv_heads, args.kv_heads], dim=1)
+        else:
+            q = torch.randn((t, args.heads, args.head_dim), generator=gen, device=device, dtype=dtype)
+            k = torch.randn((t, args.kv_heads, args.head_dim), generator=gen, device=device, dtype=dtype)
+            v = torch.randn((t, args.kv_heads, args.head_dim), generator=gen, device=device, dtype=dtype)
         data.append((q, k, v, step))
     flops = sum(4 * args.heads * args.head_dim * n * (n + 1) / 2 for n in lengths)
     print(f"{len(lengths)} prompts ({sum(lengths):,} tokens, {len(set(lengths))} distinct lengths) in {len(steps)} "
@@ -129,10 +165,15 @@ def main() -> int:
     results = {}
     check = data[:3]
     refs = [reference(q, k, v, step, scale) for q, k, v, step in check]
-    for name, fn in METHODS.items():
+    for name in args.methods.split(","):
+        fn = METHODS[name]
         try:
+            t0 = time.perf_counter()  # the first calls: FlashAttention-4 compiles its kernels here
             errors = [(fn(q, k, v, step, scale).float() - ref).abs().max().item()
                       for (q, k, v, step), ref in zip(check, refs)]
+            check_s = time.perf_counter() - t0
+            if name in TAKES_CONTEXT:
+                errors.append(context_error(fn, args.heads, args.kv_heads, args.head_dim, scale, gen))
             firsts = []
             for q, k, v, step in data:  # first call of each step's shape: cuDNN builds its plans here
                 torch.cuda.synchronize()
@@ -153,9 +194,10 @@ def main() -> int:
                 passes.append(start.elapsed_time(end))
             ms = statistics.median(passes)
             results[name] = {"max_abs_error": max(errors), "ms_all_steps": ms, "tflops": flops / ms / 1e9,
-                             "first_call_ms_total": sum(firsts), "first_call_ms_max": max(firsts)}
+                             "first_call_ms_total": sum(firsts), "first_call_ms_max": max(firsts),
+                             "check_s": check_s}
             print(f"{name:15s} max |err| {max(errors):.2e}  all steps {ms:8.2f} ms  {flops / ms / 1e9:6.1f} TFLOP/s  "
-                  f"first calls {sum(firsts):8.1f} ms (worst {max(firsts):.1f})")
+                  f"first calls {sum(firsts):8.1f} ms (worst {max(firsts):.1f}); check {check_s:.1f} s")
         except Exception as error:  # a path this torch or GPU refuses: say so, go on with the others
             results[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
             print(f"{name:15s} FAILED: {results[name]['error']}")

@@ -87,6 +87,10 @@ class AppArgs(BaseModel):
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     fuse_projections: bool | None = Field(None, description="one GEMM for q/k/v and one for gate/up in every "
                                           "decoder layer (2-3% more decode tokens/s on a 7B, H200); unset: on for GPUs")
+    prefill_attention: Literal["flash", "fa4"] | None = Field(
+        None, description="the kernel that attends prompt chunks on GPUs: flash (torch's FlashAttention-2) or fa4 "
+                          "(FlashAttention-4, pip install 'ponytail[fa4]'); unset: fa4 where installed on Hopper or "
+                          "Blackwell with head_dim >= 128, else flash")
     engine_process: bool | None = Field(None, description="run each replica's engine step loop in a process of its "
                                         "own (vLLM's engine core), so streaming does not slow the steps; unset: on "
                                         "for GPUs")
@@ -125,7 +129,7 @@ class AppArgs(BaseModel):
 
     # What EngineReplica takes as is; build() adds the device and the served name (model_id there).
     ENGINE_FIELDS: ClassVar[tuple[str, ...]] = ("model", "kv_cache_memory", "max_num_seqs", "max_model_len",
-                                                "block_size", "compile_model", "fuse_projections",
+                                                "block_size", "compile_model", "fuse_projections", "prefill_attention",
                                                 "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",

@@ -45,11 +45,12 @@ def naive(query, key, value, lengths, scale) -> torch.Tensor:
     return torch.cat(out)
 
 
-def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6, sdpa=True):
+def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6, sdpa=True,
+          varlen="flash"):
     query, key, value, cu = engine_layout(lengths, heads, kv_heads, head_dim, dtype, device)
     scale = 1 / math.sqrt(head_dim)
     out = attention_over_new_tokens(query, key, value, equal_length_runs(lengths), cu, max(lengths), scale,
-                                    sdpa=sdpa)
+                                    sdpa=sdpa, varlen=varlen)
     ref = naive(query, key, value, lengths, scale)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == dtype
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
@@ -140,3 +141,20 @@ def test_gpu_new_shapes_take_flash_varlen(dtype, caplog):
         check([300, 300, 7], 32, 8, 128, dtype=dtype, device="cuda", tolerance=2e-2, sdpa=False)
     assert "flash varlen over the chunks' own K/V (2 new shapes)" in caplog.text
     assert "torch SDPA" not in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(32, 8, 128), (32, 32, 128), (9, 3, 64)])
+def test_gpu_fa4_varlen_matches_the_reference(dtype, heads, kv_heads, head_dim, caplog):
+    """FlashAttention-4 (prefill_attention="fa4") on the engine's strided layout, where installed."""
+    from ponytail.attention.fa4 import fa4_problem
+
+    problem = fa4_problem(torch.device("cuda"), dtype, head_dim)
+    if problem is not None:
+        pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check([17, 300, 5, 64, 128, 9, 250, 1], heads, kv_heads, head_dim, dtype=dtype, device="cuda",
+              tolerance=2e-2, sdpa=False, varlen="fa4")
+    assert "fa4 varlen over the chunks' own K/V" in caplog.text

@@ -47,16 +47,25 @@ def test_engine_greedy_equals_plain_generate_on_gpu(monkeypatch, cuda_graphs):
     assert llm.engine.cache.peak_allocated_bytes > chunks_before * llm.engine.cache.storage.chunk_bytes
 
 
-def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch):
-    """Prefix hits and chunked prefill send chunks with context through the flash varlen path."""
+@pytest.mark.parametrize("prefill_attention", ["flash", "fa4"])
+def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_attention):
+    """Prefix hits and chunked prefill send chunks with context through the varlen path: torch's
+    flash, or FlashAttention-4 where installed (every call counted, so the test knows it ran)."""
+    from ponytail.attention import fa4, flash
+
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    if prefill_attention == "fa4" and (problem := fa4.fa4_problem(torch.device("cuda"), torch.bfloat16, 64)):
+        pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
+    calls = []
+    monkeypatch.setattr(flash, "fa4_varlen", lambda *a: calls.append(a[3].shape[0] - 1) or fa4.fa4_varlen(*a))
     model = small_model(torch.bfloat16)
     rng = random.Random(1)
     shared = [rng.randrange(1, 1000) for _ in range(160)]
     prompts = [shared + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 200))] for _ in range(10)]
     prompts += [[rng.randrange(1, 1000) for _ in range(rng.randint(300, 700))] for _ in range(4)]
     llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=1024,
-                       max_num_batched_tokens=256)  # 256: the long prompts prefill in chunks
+                       max_num_batched_tokens=256,  # 256: the long prompts prefill in chunks
+                       prefill_attention=prefill_attention)
     outputs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
     assert llm.stats().prefix_cache_hits > 0
     checked = 0
@@ -70,6 +79,7 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch):
             checked += 1
             assert output.token_ids == [int(top2.indices[0])]
     assert checked >= len(prompts) // 2
+    assert bool(calls) == (prefill_attention == "fa4")
 
 
 @pytest.mark.parametrize("fuse_projections", [False, True])

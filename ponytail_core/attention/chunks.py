@@ -84,7 +84,8 @@ class SdpaShapes:
 
 def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: list[ChunkRun],
                               cu_seq_q: torch.Tensor, max_query_len: int, scale: float,
-                              out: torch.Tensor | None = None, sdpa: bool = True) -> torch.Tensor:
+                              out: torch.Tensor | None = None, sdpa: bool = True,
+                              varlen: str = "flash") -> torch.Tensor:
     """Causal attention of packed chunks over themselves.
 
     query [Hq, N, D] and key/value [Hkv, N, D]: the chunks' tokens end to end along N, as views
@@ -92,6 +93,7 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
     cu_seq_q [chunks + 1] int32 holds the same boundaries on the device. Query heads h use KV
     head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given. sdpa=False: flash
     varlen where it can (the run shapes are new, see SdpaShapes), SDPA only where it cannot.
+    varlen: the varlen kernel, "flash" or "fa4" (fa4.choose_prefill_attention).
     """
     heads, tokens, head_dim = query.shape
     if key.shape[1] != tokens or value.shape != key.shape or heads % key.shape[0]:
@@ -103,9 +105,9 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
         out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
     if (len(runs) > MAX_SDPA_RUNS or not sdpa) and flash_problem(query.device, query.dtype, head_dim) is None:
         why = "new shapes" if len(runs) <= MAX_SDPA_RUNS else "distinct runs of lengths"
-        _log(f"flash varlen over the chunks' own K/V ({len(runs)} {why})")
+        _log(f"{varlen} varlen over the chunks' own K/V ({len(runs)} {why})")
         out.copy_(flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
-                                cu_seq_q, max_query_len, max_query_len, scale))
+                                cu_seq_q, max_query_len, max_query_len, scale, kernel=varlen))
         return out
     _log(f"torch SDPA over the chunks' own K/V, one call per run of equal lengths ({len(runs)} runs)")
     gqa = heads != key.shape[0]

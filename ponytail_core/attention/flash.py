@@ -8,6 +8,7 @@ import inspect
 import torch
 
 from ..kv.storage import PagedKVStorage
+from .fa4 import fa4_varlen
 
 
 @functools.cache
@@ -46,9 +47,13 @@ def _varlen_api():
     return varlen_attn if {"enable_gqa", "window_size", "scale"} <= params.keys() else None
 
 
-def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel: str = "flash") -> torch.Tensor:
     """Causal (bottom-right aligned) attention of packed rows; K/V heads may be fewer (GQA).
-    A query with no key to attend (its row has fewer keys than queries) comes out zero."""
+    A query with no key to attend (its row has fewer keys than queries) comes out zero.
+    kernel: "flash" (torch's FlashAttention-2) or "fa4" (FlashAttention-4, fa4.py; every row must
+    have at least as many keys as queries, as the engine's chunks have)."""
+    if kernel == "fa4":
+        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
     api = _varlen_api()
     if api is not None:
         return api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)

@@ -74,12 +74,13 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
 
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
                            max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, varlen: str = "flash") -> torch.Tensor:
     """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
 
     Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
     0 and ending at N), the last of its seq_lens[b] cached tokens; max_query_len bounds every
-    row's count. block_tables and seq_lens as for `paged_attention`.
+    row's count. block_tables and seq_lens as for `paged_attention`. varlen: the varlen kernel
+    where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention).
     """
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
@@ -106,8 +107,9 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)
         kernel_loader.log_choice("paged_attention varlen prefill",
-                                 kernel_loader.KernelChoice(True, "CuPy packed gather + flash varlen"))
-        return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale))
+                                 kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
+        return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),
+                                varlen)
     if not choice.use_custom:  # the torch path, unpadded: work grows with each row's tokens x its context
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)

@@ -83,17 +83,18 @@ def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scal
     return out.masked_fill(~has_key[:, None, :, None], 0)
 
 
-def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale) -> torch.Tensor:
-    """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen.
-    The gather buffer is sized by the tables (an upper bound), so the host never waits for the
-    lengths; flash reads only each row's cu_k range."""
+def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale,
+                     varlen: str = "flash") -> torch.Tensor:
+    """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen (varlen:
+    "flash" or "fa4"). The gather buffer is sized by the tables (an upper bound), so the host never
+    waits for the lengths; flash reads only each row's cu_k range."""
     bs = storage.config.block_size
     capacity = block_tables.shape[0] * block_tables.shape[1] * bs
     cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
     k, v = gather_packed(storage, layer, block_tables, seq_lens, cu_k, capacity)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale)
+    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale, kernel=varlen)
 
 
 def prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:

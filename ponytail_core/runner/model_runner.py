@@ -32,10 +32,12 @@ def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[Scheduled
 class ModelRunner:
     """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
     compile_model: torch.compile the decoder layers around the attention call (compile.py);
-    fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py)."""
+    fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py);
+    prefill_varlen: the prefill chunks' varlen kernel on CUDA, "flash" or "fa4" (attention/fa4.py)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False):
+                 cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False,
+                 prefill_varlen: str = "flash"):
         self.model = model
         self.device = cache.config.device
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
@@ -47,7 +49,7 @@ class ModelRunner:
             from .compile import compile_decoder_layers
 
             compile_decoder_layers(model)  # before capture: the graphs record the fused kernels
-        self.hf_cache = PackedStepCache(cache)
+        self.hf_cache = PackedStepCache(cache, prefill_varlen)
         self.block_size = cache.config.block_size
         self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
         # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).

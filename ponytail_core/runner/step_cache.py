@@ -61,8 +61,11 @@ def fill_inputs(input_ids: torch.Tensor, sampled: torch.Tensor, index: torch.Ten
 
 
 class PackedStepCache(PagedCacheBase):
-    def __init__(self, paged):
+    """prefill_varlen: the varlen kernel of the prefill chunks on CUDA, "flash" or "fa4" (attention/fa4.py)."""
+
+    def __init__(self, paged, prefill_varlen: str = "flash"):
         super().__init__(paged)
+        self.prefill_varlen = prefill_varlen
         self.step: PackedStep | None = None
         self._plan: TorchAttentionPlan | None = None  # the torch path's plan for `step`, built at layer 0
         self._writes: SlotWrites | None = None  # ... and where its new K/V go
@@ -98,12 +101,14 @@ class PackedStepCache(PagedCacheBase):
             out = torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
             s = chunks.start
             attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
-                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:], sdpa=chunks.sdpa)
+                                      chunks.cu_seq_q, chunks.max_query_len, scale, out=out[s:], sdpa=chunks.sdpa,
+                                      varlen=self.prefill_varlen)
             if decode_out is not None:
                 out[:s] = decode_out
             return out.unsqueeze(0)
         prefill_out = paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
-                                             chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale)
+                                             chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale,
+                                             varlen=self.prefill_varlen)
         out = prefill_out if decode_out is None else torch.cat([decode_out, prefill_out])
         return out.unsqueeze(0)  # [1, N, Hq, D]
 

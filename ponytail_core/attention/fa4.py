@@ -1,0 +1,77 @@
+"""FlashAttention-4's CuTe kernels (the `flash-attn-4` package) for the engine's packed prefill chunks.
+
+torch ships FlashAttention-2; vLLM runs FlashAttention-3 on Hopper. FlashAttention-4 brings
+Hopper's wgmma/TMA design as a pip package (CuTe DSL, compiled on first use). On an H200, over
+bench_engine's mixed prompt lengths packed as the engine packs them, it attended 1.22-1.26x as fast
+as torch's flash varlen at head_dim 128 (1.14x with 4:1 GQA) and 0.97x at head_dim 64
+(benchmarks/probe_varlen_attention.py, docs/benchmarks.md). So `prefill_attention=None` ("auto")
+takes it where it is installed, the device is sm90/sm100 and head_dim is at least AUTO_MIN_HEAD_DIM.
+
+Its kernels compile at their first call (5-10 s for each kind of step: with or without context,
+each GQA ratio). Its disk cache keeps them for later starts; it is switched on here unless the user
+set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from ..errors import ConfigError
+
+PREFILL_ATTENTION = ("flash", "fa4")  # what prefill_attention takes (None: chosen by choose_prefill_attention)
+AUTO_MIN_HEAD_DIM = 128  # measured faster at 128, slower at 64 (see above)
+
+
+@functools.cache
+def _import_problem() -> str | None:
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # read once, at its import
+    try:
+        import flash_attn.cute.interface  # noqa: F401
+    except Exception as error:  # ImportError, or a CUDA/cutlass library it cannot load
+        return f"the flash-attn-4 package is not importable ({type(error).__name__}: {error})"
+    return None
+
+
+def fa4_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why FlashAttention-4 cannot attend these tensors (None: it can)."""
+    if device.type != "cuda":
+        return f"device is {device}, not CUDA"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"FlashAttention-4 takes fp16/bf16, got {dtype}"
+    major = torch.cuda.get_device_capability(device)[0]
+    if major not in (9, 10):
+        return f"FlashAttention-4 runs on sm90 and sm100 (Hopper, Blackwell); this device is sm{major}x"
+    widest = 256 if major == 9 else 128
+    if head_dim % 8 or not 8 <= head_dim <= widest:
+        return f"FlashAttention-4 on sm{major}x takes head_dim a multiple of 8 from 8 to {widest}, got {head_dim}"
+    return _import_problem()
+
+
+def choose_prefill_attention(requested: str | None, device: torch.device, dtype: torch.dtype,
+                             head_dim: int) -> str:
+    """The varlen kernel for packed prefill chunks: "fa4" or "flash" (torch's FlashAttention-2).
+    None picks FlashAttention-4 where it can run and head_dim >= AUTO_MIN_HEAD_DIM; "fa4" where it
+    cannot run is a ConfigError that says why."""
+    if requested is not None and requested not in PREFILL_ATTENTION:
+        raise ConfigError(f"prefill_attention={requested!r} is not supported; allowed: "
+                          f"{', '.join(map(repr, PREFILL_ATTENTION))} or None (fa4 where installed and faster)")
+    if requested == "flash":
+        return "flash"
+    problem = fa4_problem(device, dtype, head_dim)
+    if requested == "fa4":
+        if problem is not None:
+            raise ConfigError(f"prefill_attention='fa4' cannot run here: {problem} "
+                              "(pip install 'ponytail[fa4]' on a Hopper or Blackwell GPU; or use 'flash' or None)")
+        return "fa4"
+    return "fa4" if problem is None and head_dim >= AUTO_MIN_HEAD_DIM else "flash"
+
+
+def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
+    """flash_varlen's contract (causal aligned bottom right, GQA) through FlashAttention-4."""
+    from flash_attn.cute.interface import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                  max_seqlen_k=max_k, softmax_scale=scale, causal=True)[0]
