@@ -199,6 +199,10 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
     finally:
         restore_model(model)
     config = llm.engine.cache.config
+    failed = [o for o in outputs if o.error is not None or o.metrics.first_token_time is None]
+    if failed:  # a number over requests that did not run would be no measurement
+        raise RuntimeError(f"{len(failed)} of {len(outputs)} requests failed ({llm_args}); the first: "
+                           f"{failed[0].error or failed[0].finish_reason}")
     ttfts = [o.metrics.first_token_time - o.metrics.arrival_time for o in outputs]
     need = (work.prompt_tokens + work.output_tokens) * config.bytes_per_token + len(work.prompts) * config.block_bytes
     result = {"seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outputs),

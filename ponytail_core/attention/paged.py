@@ -74,13 +74,14 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
 
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
                            max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, varlen: str = "flash") -> torch.Tensor:
+                           scale: float, varlen: str = "flash", num_keys: int = 0) -> torch.Tensor:
     """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
 
     Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
     0 and ending at N), the last of its seq_lens[b] cached tokens; max_query_len bounds every
     row's count. block_tables and seq_lens as for `paged_attention`. varlen: the varlen kernel
-    where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention).
+    where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention); num_keys: sum(seq_lens)
+    where the caller knows it on the host (sizes the gather exactly; 0: not given).
     """
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
@@ -109,7 +110,7 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         kernel_loader.log_choice("paged_attention varlen prefill",
                                  kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),
-                                varlen)
+                                varlen, num_keys)
     if not choice.use_custom:  # the torch path, unpadded: work grows with each row's tokens x its context
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)

@@ -84,13 +84,19 @@ def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scal
 
 
 def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale,
-                     varlen: str = "flash") -> torch.Tensor:
+                     varlen: str = "flash", num_keys: int = 0) -> torch.Tensor:
     """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen (varlen:
-    "flash" or "fa4"). The gather buffer is sized by the tables (an upper bound), so the host never
-    waits for the lengths; flash reads only each row's cu_k range."""
+    "flash" or "fa4"). The gather buffer holds num_keys rows (sum(seq_lens), where the caller knows
+    it), else as many as the tables can address (an upper bound: the host does not wait for the
+    lengths); FlashAttention-2 reads only each row's cu_k range.
+
+    FlashAttention-4 loads whole tiles of keys: past the last row's keys it reads whatever the
+    buffer holds there, and a NaN in V makes NaN of a masked score's zero weight. So for "fa4" the
+    buffer ends exactly at the last key (beyond a tensor's end its tile loads read zeros): with no
+    num_keys that costs one wait for the lengths."""
     bs = storage.config.block_size
-    capacity = block_tables.shape[0] * block_tables.shape[1] * bs
     cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
+    capacity = num_keys or (int(cu_k[-1]) if varlen == "fa4" else block_tables.shape[0] * block_tables.shape[1] * bs)
     k, v = gather_packed(storage, layer, block_tables, seq_lens, cu_k, capacity)
     if q.stride(-1) != 1:
         q = q.contiguous()

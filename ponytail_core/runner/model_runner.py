@@ -136,9 +136,10 @@ class ModelRunner:
         for chunk in members:
             cu.append(cu[-1] + chunk.num_tokens)
         runs = equal_length_runs([c.num_tokens for c in members]) if all(c.start == 0 for c in members) else None
+        seq_lens = [c.start + c.num_tokens for c in members]
         return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
                              max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
-                             seq_lens=self._tensor([c.start + c.num_tokens for c in members], torch.int32),
+                             seq_lens=self._tensor(seq_lens, torch.int32), num_keys=sum(seq_lens),
                              runs=runs, sdpa=runs is not None and self.sdpa_shapes.recurring(runs))
 
     def _table(self, tables: list[list[int]]) -> torch.Tensor:

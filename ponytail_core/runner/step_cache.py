@@ -43,6 +43,7 @@ class PrefillChunks:
     max_query_len: int
     block_tables: torch.Tensor  # [chunks, max_blocks] int32
     seq_lens: torch.Tensor  # [chunks] int32
+    num_keys: int = 0  # sum of seq_lens, known on the host (0: not given)
     runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
     sdpa: bool = True  # runs may go to SDPA: their shapes recur (chunk_attention.SdpaShapes)
 
@@ -108,7 +109,7 @@ class PackedStepCache(PagedCacheBase):
             return out.unsqueeze(0)
         prefill_out = paged_attention_varlen(storage, layer_idx, q_tok[chunks.start :], chunks.cu_seq_q,
                                              chunks.max_query_len, chunks.block_tables, chunks.seq_lens, scale,
-                                             varlen=self.prefill_varlen)
+                                             varlen=self.prefill_varlen, num_keys=chunks.num_keys)
         out = prefill_out if decode_out is None else torch.cat([decode_out, prefill_out])
         return out.unsqueeze(0)  # [1, N, Hq, D]
 
