@@ -70,9 +70,9 @@ class LLM:
     on for CUDA devices when LLM loads the model itself and its layers have such projections (2-3%
     more output tokens/s on a 7B, H200); a model object handed over stays as it is unless True.
     prefill_attention: the kernel that attends packed prompt chunks on CUDA: "flash" (torch's
-    FlashAttention-2) or "fa4" (FlashAttention-4, `pip install 'ponytail[fa4]'`: 1.14-1.26x as fast
-    on an H200 at head_dim 128; attention/fa4.py); None: "fa4" where it is installed, the GPU is
-    Hopper or Blackwell and head_dim >= 128, else "flash".
+    FlashAttention-2) or "fa4" (FlashAttention-4, `pip install 'ponytail[fa4]'`: attention 1.14-1.26x
+    as fast at head_dim 128, a 7B's prefill 1.05x, H200; attention/fa4.py); None: "fa4" where it is
+    installed, the GPU is Hopper or Blackwell and head_dim >= 128, else "flash".
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,

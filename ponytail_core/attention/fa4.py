@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 
@@ -28,6 +29,10 @@ AUTO_MIN_HEAD_DIM = 128  # measured faster at 128, slower at 64 (see above)
 @functools.cache
 def _import_problem() -> str | None:
     os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")  # read once, at its import
+    # Printed by the CuTe DSL at every kernel compile (flash-attn-4 4.0.0b36): an argument it passes
+    # through as a constant. Nothing a user can act on.
+    warnings.filterwarnings("ignore", message=r"Argument aux_data \(position \d+\) cannot be converted",
+                            category=UserWarning)
     try:
         import flash_attn.cute.interface  # noqa: F401
     except Exception as error:  # ImportError, or a CUDA/cutlass library it cannot load
