@@ -174,7 +174,7 @@ class Scheduler:
         budget or its free seats. A prompt counts its tokens not yet computed, one budget unit each:
         prefix-cache hits are not looked up (a hash walk per prompt per step) and context costs
         (chunk_cost.py) are not added, so this is an estimate, not the admission itself."""
-        seats = self.max_num_seqs - sum(r.seqs_to_come for r in self.running)
+        seats = self.max_num_seqs - self._seats_taken()
         for request in self.waiting:
             seats -= request.seqs_to_come
             budget -= request.num_tokens - request.num_computed_tokens  # no list copy, as all_token_ids makes
@@ -189,8 +189,12 @@ class Scheduler:
             return True
         return bool(self.cache.append(request.request_id, request.token_slice(held)))
 
+    def _seats_taken(self) -> int:
+        """Sequences the running requests hold: a parent holds its unforked samples' seats."""
+        return sum(r.seqs_to_come for r in self.running)
+
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
-        seats = sum(r.seqs_to_come for r in self.running)  # a parent holds its unforked samples' slots
+        seats = self._seats_taken()
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if seats + request.seqs_to_come > self.max_num_seqs:
