@@ -48,5 +48,6 @@ def test_app_args_take_only_the_kernels_there_are():
     from deployments.args import AppArgs
 
     assert AppArgs(prefill_attention="fa4").prefill_attention == "fa4"
-    with pytest.raises(ValueError, match="prefill_attention"):
+    with pytest.raises(ValueError, match="prefill_attention") as caught:
         AppArgs(prefill_attention="fa3")
+    assert "Input should be 'flash' or 'fa4'" in str(caught.value) and "'fa3'" in str(caught.value)
