@@ -82,6 +82,35 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_
     assert bool(calls) == (prefill_attention == "fa4")
 
 
+def test_fa4_kernels_are_ready_when_llm_returns(monkeypatch):
+    """LLM()'s warm-up (ModelRunner.warm_up) compiles, or loads from its disk cache, every
+    FlashAttention-4 kernel the steps need: new prompts, chunks after a context, prefix hits and rows
+    on both sides of its 128-row tile; no request waits for a compile."""
+    from ponytail.attention import fa4
+
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    if problem := fa4.fa4_problem(torch.device("cuda"), torch.bfloat16, 128):
+        pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=1000, max_position_embeddings=2048)  # head_dim 128
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=2048,
+                       max_num_batched_tokens=256, prefill_attention="fa4", compile_model=True, cuda_graphs=True)
+    ready = set(_flash_attn_fwd.compile_cache.cache)
+    assert ready, "LLM() returned without a FlashAttention-4 kernel in memory"
+    rng = random.Random(2)
+    shared = [rng.randrange(1, 1000) for _ in range(300)]
+    prompts = [shared + [rng.randrange(1, 1000) for _ in range(rng.randint(1, 90))] for _ in range(6)]
+    prompts += [[rng.randrange(1, 1000) for _ in range(n)] for n in (3, 40, 129, 700, 1500)]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(o.error is None and len(o.token_ids) == 4 for o in outputs)
+    assert llm.stats().prefix_cache_hits > 0
+    assert set(_flash_attn_fwd.compile_cache.cache) == ready
+
+
 @pytest.mark.parametrize("fuse_projections", [False, True])
 def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_projections):
     """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32; with

@@ -7,9 +7,9 @@ as torch's flash varlen at head_dim 128 (1.14x with 4:1 GQA) and 0.97x at head_d
 (benchmarks/probe_varlen_attention.py, docs/benchmarks.md). So `prefill_attention=None` ("auto")
 takes it where it is installed, the device is sm90/sm100 and head_dim is at least AUTO_MIN_HEAD_DIM.
 
-Its kernels compile at their first call (5-10 s for each kind of step: with or without context,
-each GQA ratio). Its disk cache keeps them for later starts; it is switched on here unless the user
-set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED.
+Its kernels compile at their first call (5-10 s for each kind of step). The engine's start-up
+warm-up (ModelRunner.warm_up) makes those calls, so no request waits for a compile; its disk cache
+keeps them for later starts (switched on here unless the user set FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED).
 """
 
 from __future__ import annotations

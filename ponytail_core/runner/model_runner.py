@@ -10,10 +10,17 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
+from ..errors import KernelError
 from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
 from ..utils.arith import cdiv
 from ..utils.device import to_device
+
+
+# warm_up's dummy steps, each a list of (context tokens, new tokens) rows: prompt chunks without
+# context and chunks after one, with rows of at most and of more than 128 query tokens (FA4's tile:
+# on Blackwell its kernel choice depends on which side of it the longest row falls).
+WARM_UP_STEPS = (((0, 8), (0, 24)), ((0, 16), (0, 160)), ((40, 8),), ((40, 8), (24, 160)))
 
 
 def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int]]:
@@ -40,6 +47,7 @@ class ModelRunner:
                  prefill_varlen: str = "flash"):
         self.model = model
         self.device = cache.config.device
+        self.max_model_len = max_model_len
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
         if fuse_projections:
             from .fused_projections import fuse_projections as fuse
@@ -55,6 +63,8 @@ class ModelRunner:
         # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).
         self.head = prepacked_head(model) if self.device.type == "cpu" else None
         self.graphs = None
+        if self.device.type == "cuda":
+            self.warm_up()
         if cuda_graphs:
             from .cuda_graphs import DecodeGraphs
 
@@ -111,11 +121,49 @@ class ModelRunner:
         ids = self._tensor(input_ids, torch.int64)
         if fill is not None:
             fill_inputs(ids, *fill)
+        return self._forward(ids, positions, sample_at).float()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Runs the model over WARM_UP_STEPS' dummy prompt chunks, writing nothing to the cache (every
+        slot is -1; context rows read block 0), so that what compiles at its first call compiles here,
+        in LLM(), instead of inside the first requests' steps: FlashAttention-4's kernels (5-10 s
+        each) and the compiled layers' prompt shapes. A kernel that fails here fails at start-up,
+        naming the setting that chose it, rather than failing requests."""
+        for rows in WARM_UP_STEPS:
+            if max(context + new for context, new in rows) > self.max_model_len:
+                continue
+            ids, positions, cu, tables = [], [], [0], []
+            for context, new in rows:
+                positions.extend(range(context, context + new))
+                cu.append(cu[-1] + new)
+                tables.append([0] * cdiv(context + new, self.block_size))
+            no_context = all(context == 0 for context, _ in rows)
+            seq_lens = [context + new for context, new in rows]
+            self.hf_cache.step = PackedStep(
+                slot_mapping=self._tensor([-1] * len(positions), torch.int64), decode=None,
+                prefill=PrefillChunks(start=0, cu_seq_q=self._tensor(cu, torch.int32), max_query_len=max(n for _, n in rows),
+                                      block_tables=self._table(tables), seq_lens=self._tensor(seq_lens, torch.int32),
+                                      num_keys=sum(seq_lens), sdpa=False,
+                                      runs=equal_length_runs([n for _, n in rows]) if no_context else None))
+            try:
+                self._forward(self._tensor([0] * len(positions), torch.int64), positions, [len(positions) - 1])
+            except Exception as error:
+                varlen = self.hf_cache.prefill_varlen
+                hint = "; prefill_attention='flash' takes torch's FlashAttention-2 instead" if varlen == "fa4" else ""
+                raise KernelError(f"the start-up warm-up step over dummy prompt chunks failed (prefill_attention="
+                                  f"{varlen!r}): {type(error).__name__}: {error}{hint}") from error
+            finally:
+                self.hf_cache.step = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self, ids: torch.Tensor, positions: list[int], sample_at: list[int]) -> torch.Tensor:
         with self.head.active() if self.head is not None else contextlib.nullcontext():
             out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
                              cache=self.hf_cache, use_cache=True,
                              logits_to_keep=self._tensor(sample_at, torch.int64))
-        return out.logits[0].float()
+        return out.logits[0]
 
     def _pick(self, logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
         if sample_at == list(range(len(sample_at))):

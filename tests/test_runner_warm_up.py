@@ -1,0 +1,78 @@
+"""ModelRunner.warm_up: the dummy prompt steps LLM() runs on CUDA so that kernels compiled at first
+use (FlashAttention-4, the compiled layers' prompt shapes) compile at start-up. On the CPU the same
+steps run through the torch path: they must leave the cache and the engine's results untouched, and
+a failure must name the setting that chose the kernel."""
+
+import pytest
+import torch
+
+import ponytail
+from ponytail import KernelError, SamplingParams
+from ponytail.runner import model_runner
+from tiny_models import sharp_llama
+
+pytestmark = pytest.mark.network  # the default model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_model(default_model):
+    _, tokenizer = default_model
+    return sharp_llama(tokenizer), tokenizer
+
+
+def make_llm(small_model, **kwargs):
+    model, tokenizer = small_model
+    settings = dict(kv_cache_memory="4MiB", block_size=4, max_num_seqs=8, max_model_len=256)
+    return ponytail.LLM(model, tokenizer=tokenizer, **{**settings, **kwargs})
+
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+PROMPTS = [[11 + i, 200 + 3 * i, 7, 4000 + i, 12] * (2 + i) for i in range(3)]
+
+
+def test_warm_up_writes_nothing_and_changes_no_output(small_model):
+    before = [o.token_ids for o in make_llm(small_model).generate(PROMPTS, GREEDY)]
+    llm = make_llm(small_model)
+    runner, cache = llm.engine.runner, llm.engine.cache
+    kv_before = [chunk.clone() for chunk in cache.storage.chunks]
+    free_before = cache.stats().free_blocks
+    calls = []
+    forward = runner._forward
+    runner._forward = lambda ids, positions, sample_at: calls.append(len(positions)) or forward(ids, positions, sample_at)
+    runner.warm_up()
+    assert calls == [sum(n for _, n in rows) for rows in model_runner.WARM_UP_STEPS]  # every step fits 256
+    assert cache.stats().free_blocks == free_before
+    for old, new in zip(kv_before, cache.storage.chunks, strict=True):
+        assert torch.equal(old.view(torch.uint8), new.view(torch.uint8))  # bitwise: slots -1 write nothing
+    assert runner.hf_cache.step is None
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == before
+
+
+def test_warm_up_skips_steps_longer_than_the_model_length(small_model):
+    llm = make_llm(small_model, max_model_len=64)
+    calls = []
+    forward = llm.engine.runner._forward
+    llm.engine.runner._forward = lambda ids, positions, sample_at: calls.append(positions[-1]) or forward(
+        ids, positions, sample_at)
+    llm.engine.runner.warm_up()
+    assert calls and max(calls) < 64
+    assert len(calls) == sum(max(c + n for c, n in rows) <= 64 for rows in model_runner.WARM_UP_STEPS)
+
+
+@pytest.mark.parametrize("varlen, hint", [("fa4", True), ("flash", False)])
+def test_a_kernel_failing_at_warm_up_is_a_start_up_error_naming_the_setting(small_model, varlen, hint):
+    llm = make_llm(small_model)
+    runner = llm.engine.runner
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel image for this device")
+
+    runner.hf_cache.prefill_varlen = varlen
+    runner.hf_cache.attend = broken
+    with pytest.raises(KernelError) as caught:
+        runner.warm_up()
+    message = str(caught.value)
+    assert f"prefill_attention={varlen!r}" in message
+    assert "RuntimeError: no kernel image for this device" in message
+    assert ("prefill_attention='flash' takes torch's FlashAttention-2 instead" in message) is hint
+    assert runner.hf_cache.step is None
