@@ -3,6 +3,8 @@ use (FlashAttention-4, the compiled layers' prompt shapes) compile at start-up. 
 steps run through the torch path: they must leave the cache and the engine's results untouched, and
 a failure must name the setting that chose the kernel."""
 
+import logging
+
 import pytest
 import torch
 
@@ -30,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 PROMPTS = [[11 + i, 200 + 3 * i, 7, 4000 + i, 12] * (2 + i) for i in range(3)]
 
 
-def test_warm_up_writes_nothing_and_changes_no_output(small_model):
+def test_warm_up_writes_nothing_and_changes_no_output(small_model, caplog):
     before = [o.token_ids for o in make_llm(small_model).generate(PROMPTS, GREEDY)]
     llm = make_llm(small_model)
     runner, cache = llm.engine.runner, llm.engine.cache
@@ -39,7 +41,9 @@ def test_warm_up_writes_nothing_and_changes_no_output(small_model):
     calls = []
     forward = runner._forward
     runner._forward = lambda ids, positions, sample_at: calls.append(len(positions)) or forward(ids, positions, sample_at)
-    runner.warm_up()
+    with caplog.at_level(logging.INFO, logger="ponytail.engine"):
+        runner.warm_up()
+    assert "warm-up over dummy prompt chunks (prompt attention 'flash') in" in caplog.text
     assert calls == [sum(n for _, n in rows) for rows in model_runner.WARM_UP_STEPS]  # every step fits 256
     assert cache.stats().free_blocks == free_before
     for old, new in zip(kv_before, cache.storage.chunks, strict=True):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 
 import torch
 
@@ -15,6 +17,8 @@ from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
 from ..utils.arith import cdiv
 from ..utils.device import to_device
+
+logger = logging.getLogger("ponytail.engine")
 
 
 # warm_up's dummy steps, each a list of (context tokens, new tokens) rows: prompt chunks without
@@ -130,6 +134,7 @@ class ModelRunner:
         in LLM(), instead of inside the first requests' steps: FlashAttention-4's kernels (5-10 s
         each) and the compiled layers' prompt shapes. A kernel that fails here fails at start-up,
         naming the setting that chose it, rather than failing requests."""
+        started = time.perf_counter()
         for rows in WARM_UP_STEPS:
             if max(context + new for context, new in rows) > self.max_model_len:
                 continue
@@ -157,6 +162,8 @@ class ModelRunner:
                 self.hf_cache.step = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        logger.info("warm-up over dummy prompt chunks (prompt attention %r) in %.1f s",
+                    self.hf_cache.prefill_varlen, time.perf_counter() - started)
 
     def _forward(self, ids: torch.Tensor, positions: list[int], sample_at: list[int]) -> torch.Tensor:
         with self.head.active() if self.head is not None else contextlib.nullcontext():
