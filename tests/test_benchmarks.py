@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +58,28 @@ def test_bench_attention_small_checks_against_sdpa(tmp_path):
     results = json.loads(out.read_text())["results"]
     assert {r["kind"] for r in results} == {"decode", "prefill"}
     assert all(r["rel_error"] < 2e-2 for r in results)
+
+
+def test_probe_decode_layout_small_checks_every_layout_against_sdpa(tmp_path):
+    out = tmp_path / "layout.json"
+    run_script("probe_decode_layout.py", "--small", "--json", str(out))
+    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(results) == list(benchmark_module("probe_decode_layout").LAYOUTS)
+    assert all(r["rel_error"] < 2e-2 and r["ms_per_call"] > 0 for r in results.values())
+    # --small: 45 tokens a row in blocks of 16; `wide` pads to max_model_len 128.
+    assert {name: r["table_width"] for name, r in results.items()} == {
+        "base": 3, "wide": 8, "layers": 3, "pool": 3, "engine": 3, "engine-wide": 8}
+
+
+def test_probe_decode_layout_engine_rows_are_the_allocators_tables():
+    probe = benchmark_module("probe_decode_layout")
+    shape = probe.Shape(batch=3, heads=4, kv_heads=2, head_dim=8, layers=2, prompt=20, context=45,
+                        max_model_len=128, budget_bytes=1 << 20)
+    layout = probe.build("engine", shape, torch.device("cpu"), torch.bfloat16)
+    blocks = layout.tables.flatten().tolist()
+    assert layout.tables.shape == (3, 3) and len(set(blocks)) == 9  # 45 tokens: 3 blocks a row, none shared
+    assert [layout.cache.seq_len(row) for row in range(3)] == [45] * 3
+    assert layout.tables.tolist() == [layout.cache.block_table(row) for row in range(3)]
 
 
 def test_bench_cache_ops_small_runs(tmp_path):
