@@ -276,3 +276,33 @@ def test_decoding_through_placeholders_equals_decoding_real_tokens(tokens, data)
     for alloc in (direct, placed):
         alloc.free("s")
     assert placed.allocate("t", tokens).num_cached_tokens == direct.allocate("t", tokens).num_cached_tokens
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([1, 3, 4, 16]), pieces=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+       data=st.data())
+def test_slots_come_block_by_block_as_each_token_would_find_them(block_size, pieces, data):
+    """_extend and slots() place a block's worth of tokens at a time; every slot is where slot() puts
+    its position, and the hashes match placing the same tokens one at a time."""
+    whole = BlockAllocator(400, block_size=block_size)  # room for 8 x 40 tokens in blocks of 1
+    one_by_one = BlockAllocator(400, block_size=block_size)
+    tokens = list(range(1000, 1000 + sum(pieces)))
+    got = whole.allocate("a", tokens[: pieces[0]]).slots
+    one_by_one.allocate("a", tokens[:1])
+    for token in tokens[1 : pieces[0]]:
+        one_by_one.append("a", [token])
+    done = pieces[0]
+    for piece in pieces[1:]:
+        got += whole.append("a", tokens[done : done + piece]).slots
+        for token in tokens[done : done + piece]:
+            one_by_one.append("a", [token])
+        done += piece
+    assert got == [whole.slot("a", p) for p in range(done)]
+    start = data.draw(st.integers(0, done))
+    stop = data.draw(st.integers(start, done))
+    assert whole.slots("a", start, stop) == [whole.slot("a", p) for p in range(start, stop)]
+    assert whole.block_table("a") == one_by_one.block_table("a")
+    whole.commit("a", done)
+    one_by_one.commit("a", done)
+    assert [b.hash for b in whole.blocks] == [b.hash for b in one_by_one.blocks]
+    assert whole.invariants() == [] and one_by_one.invariants() == []

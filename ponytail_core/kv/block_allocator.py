@@ -103,7 +103,13 @@ class BlockAllocator:
     def slots(self, seq_id, start: int, stop: int) -> list[int]:
         """slot(seq_id, p) for p in start .. stop - 1."""
         block_ids, bs = self._state(seq_id).block_ids, self.block_size
-        return [block_ids[p // bs] * bs + p % bs for p in range(start, stop)]
+        if stop - start == 1:  # a decode token
+            return [block_ids[start // bs] * bs + start % bs]
+        slots: list[int] = []
+        for index in range(start // bs, cdiv(stop, bs) if stop > start else start // bs):  # block by block
+            base = block_ids[index] * bs
+            slots.extend(range(base + max(start - index * bs, 0), base + min(stop - index * bs, bs)))
+        return slots
 
     # ------------------------------------------------------------- allocation
     def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
@@ -369,19 +375,24 @@ class BlockAllocator:
         return heapq.heappop(self._free)
 
     def _extend(self, state: _SeqState, token_ids: list[int]) -> list[int]:
-        """Place tokens after the sequence's end, taking blocks at boundaries and sealing full ones."""
+        """Place tokens after the sequence's end, taking blocks at boundaries and sealing full ones.
+        A block's worth of tokens at a time: a prompt's allocation is on the first step's path."""
         bs = self.block_size
-        slots = []
-        for token in token_ids:
+        slots: list[int] = []
+        done, total = 0, len(token_ids)
+        while done < total:
             offset = state.num_tokens % bs
             if offset == 0:
                 block_id = self._take_block()
                 self.blocks[block_id].ref_count = 1
                 state.block_ids.append(block_id)
-            slots.append(state.block_ids[-1] * bs + offset)
-            state.partial_tokens.append(token)
-            state.num_tokens += 1
-            if offset == bs - 1:
+            take = min(bs - offset, total - done)
+            first = state.block_ids[-1] * bs + offset
+            slots.extend(range(first, first + take))
+            state.partial_tokens.extend(token_ids[done : done + take])
+            state.num_tokens += take
+            done += take
+            if offset + take == bs:
                 self._seal(state)
         return slots
 
