@@ -36,7 +36,9 @@ cached over prompt tokens admitted, from the replicas' own counters.
 Prints the KV budget, then per router, load and round: throughput (completion tokens/s), p50/p99
 time to first token, failed requests, preemptions, and requests and prompt tokens taken by each
 replica; then each router's rounds pooled per load (total tokens over total time, percentiles
-over every request: one ~10 s round's p99 is a single request); writes JSON with --json. --model:
+over every request: one ~10 s round's p99 is a single request), and each router against power of
+two with a bootstrap interval of its p99 ratio (how much the slowest requests alone decide it);
+writes JSON with --json, every request's TTFT included. --model:
 a local checkpoint (random_checkpoint.py builds one for the GPU machine); default: the embedded
 SmolLM2-135M-Instruct.
 """
@@ -182,6 +184,26 @@ def run_load(base_url, prompts, max_tokens, burst, gap_s, long_len=None):
 def percentile(values: list[float], q: float) -> float | None:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))] if values else None
+
+
+def ratio_interval(values: list[float], baseline: list[float], q: float, draws: int = 2000, seed: int = 0,
+                   level: float = 0.9) -> tuple[float, float] | None:
+    """A bootstrap interval for percentile(values, q) / percentile(baseline, q): each side's requests
+    resampled with replacement, `level` of the draws' ratios inside. One round's p99 is its slowest
+    request or two, so a p99 ratio means little without it."""
+    if not values or not baseline:
+        return None
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def draws_of(samples: list[float]) -> np.ndarray:
+        picked = np.sort(rng.choice(np.asarray(samples, dtype=float), size=(draws, len(samples))), axis=1)
+        return picked[:, min(len(samples) - 1, int(q * len(samples)))]  # percentile()'s index
+
+    ratios = draws_of(values) / draws_of(baseline)
+    tail = (1 - level) / 2
+    return float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
 
 
 def ttft_percentiles(ttfts: list[float], prefix: str = "ttft") -> dict:
@@ -411,9 +433,6 @@ def main() -> int:
     results = {router: {str(gap): pooled([r for r in router_runs if r["gap"] == gap]) for gap in gaps}
                for router, router_runs in runs.items()}
     report(runs, results, gaps, args.rounds, chat)
-    for router_runs in runs.values():
-        for r in router_runs:
-            del r["ttfts"], r["ttfts_long"]  # the JSON keeps percentiles, not every sample
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": args.workload, "sizes": sizes, "chat": dataclasses.asdict(shape) if chat else None,
@@ -466,13 +485,21 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
             p99 = 100 * (1 - r["ttft_p99"] / p2["ttft_p99"])
             mean = 100 * (1 - r["ttft_mean"] / p2["ttft_mean"])
             speed = r["tokens_per_s"] / p2["tokens_per_s"]
+            interval = ratio_interval(*(pooled_ttfts(runs.get(name, []), gap) for name in (router, "power_of_two")),
+                                      q=0.99)
+            r["p99_vs_power_of_two"] = {"ratio": r["ttft_p99"] / p2["ttft_p99"], "interval_90": interval}
+            spread = "" if interval is None else f" (90% bootstrap interval of the ratio {interval[0]:.2f}-{interval[1]:.2f})"
             print(f"  gap {gap:.1f} s: {router} against power_of_two: throughput {speed:.2f}x, "
                   f"mean TTFT {abs(mean):.0f}% {'lower' if mean >= 0 else 'higher'}, "
-                  f"p99 TTFT {abs(p99):.0f}% {'lower' if p99 >= 0 else 'higher'}")
+                  f"p99 TTFT {abs(p99):.0f}% {'lower' if p99 >= 0 else 'higher'}{spread}")
             changes = mean_ttft_changes(runs.get(router, []), runs.get("power_of_two", []), gap)
             if len(changes) > 1:  # how far single rounds stray from the pooled figure
                 print("    mean TTFT against power_of_two's same round, round by round: "
                       + ", ".join(f"{c:+.0%}" for c in changes))
+
+
+def pooled_ttfts(router_runs: list[dict], gap: float) -> list[float]:
+    return [t for r in router_runs if r["gap"] == gap for t in r["ttfts"]]
 
 
 def mean_ttft_changes(router_runs: list[dict], baseline_runs: list[dict], gap: float) -> list[float]:

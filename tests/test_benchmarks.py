@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -124,6 +125,8 @@ def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
     run_script("bench_router.py", "--small", "--long-per-burst", "1", "--json", str(out))  # exit 1: a failure
     report = json.loads(out.read_text())
     assert set(report["pooled"]) == {"kv_blocks", "power_of_two"}
+    for against in (r["p99_vs_power_of_two"] for r in report["pooled"]["kv_blocks"].values()):
+        assert against["ratio"] > 0 and 0 < against["interval_90"][0] <= against["interval_90"][1]
     for runs in report["runs"].values():
         assert sum(runs[0]["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
         assert sum(runs[0]["replica_steps"]) > 0 and all(0 < b < 1 for b in runs[0]["replica_busy"] if b)
@@ -185,6 +188,21 @@ def test_bench_router_compares_mean_ttft_round_by_round_against_the_same_rounds_
             {"round": 2, "gap": 0.1, "ttfts": [0.1]}, {"round": 0, "gap": 0.1, "ttfts": []}]
     assert mean_ttft_changes(runs, base, 0.1) == pytest.approx([-0.25, -0.5])  # round 2 has no baseline
     assert mean_ttft_changes(runs, base, 1.0) == [] and mean_ttft_changes(runs, [], 0.1) == []
+
+
+def test_bench_router_p99_ratio_interval_separates_real_gaps_from_one_slow_request():
+    ratio_interval = benchmark_module("bench_router").ratio_interval
+    rng = random.Random(0)
+    base = [rng.uniform(0.1, 0.3) for _ in range(96)] + [1.0]  # one slow request makes the p99
+    same = [rng.uniform(0.1, 0.3) for _ in range(96)] + [1.1]
+    lo, hi = ratio_interval(same, base, q=0.99)
+    assert lo < 1.0 < hi  # 10% higher at p99, and nothing separates the two
+    steady = [rng.uniform(0.1, 0.3) for _ in range(200)]
+    slower = [2 * t for t in steady]
+    lo, hi = ratio_interval(slower, steady, q=0.99, seed=1)
+    assert 1.0 < lo <= 2.0 <= hi  # twice as slow everywhere: the interval excludes 1
+    assert ratio_interval(slower, steady, q=0.99, seed=1) == (lo, hi)  # seeded
+    assert ratio_interval([], base, q=0.99) is None
 
 
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
