@@ -173,10 +173,8 @@ class LLMEngine:
             return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         if not isinstance(prompt, (list, tuple)) or not prompt:
             raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
-        # The common case checked in C (a prompt of 100k ids took ~20 ms as one Python test per id);
-        # the per-id walk only names the bad ones.
         if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < self.vocab_size:
-            return list(prompt)
+            return list(prompt)  # checked in C; the walk below (~20 ms per 100k ids) only names bad ids
         bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
         if bad:
             raise ConfigError(f"prompt={bad[:5]!r:.80}: token ids outside the vocabulary; "

@@ -77,10 +77,7 @@ class BlockAllocator:
     def fragmentation(self) -> float:
         """Holes below the high-water mark over the high-water mark (0 = compact)."""
         hwm = self.high_water_mark
-        if hwm == 0:
-            return 0.0
-        holes = sum(1 for block_id in self._free if block_id < hwm)
-        return holes / hwm
+        return sum(1 for block_id in self._free if block_id < hwm) / hwm if hwm else 0.0
 
     def has_seq(self, seq_id) -> bool:
         return seq_id in self._seqs
@@ -97,16 +94,13 @@ class BlockAllocator:
         return self._state(seq_id).num_tokens
 
     def slot(self, seq_id, position: int) -> int:
-        state = self._state(seq_id)
-        return state.block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        return self._state(seq_id).block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
     def slots(self, seq_id, start: int, stop: int) -> list[int]:
         """slot(seq_id, p) for p in start .. stop - 1."""
         block_ids, bs = self._state(seq_id).block_ids, self.block_size
-        if stop - start == 1:  # a decode token
-            return [block_ids[start // bs] * bs + start % bs]
         slots: list[int] = []
-        for index in range(start // bs, cdiv(stop, bs) if stop > start else start // bs):  # block by block
+        for index in range(start // bs, cdiv(stop, bs) if stop > start else 0):  # block by block
             base = block_ids[index] * bs
             slots.extend(range(base + max(start - index * bs, 0), base + min(stop - index * bs, bs)))
         return slots
@@ -375,11 +369,8 @@ class BlockAllocator:
         return heapq.heappop(self._free)
 
     def _extend(self, state: _SeqState, token_ids: list[int]) -> list[int]:
-        """Place tokens after the sequence's end, taking blocks at boundaries and sealing full ones.
-        A block's worth of tokens at a time: a prompt's allocation is on the first step's path."""
-        bs = self.block_size
-        slots: list[int] = []
-        done, total = 0, len(token_ids)
+        """Place tokens after the sequence's end a block at a time, taking and sealing blocks."""
+        bs, slots, done, total = self.block_size, [], 0, len(token_ids)
         while done < total:
             offset = state.num_tokens % bs
             if offset == 0:
