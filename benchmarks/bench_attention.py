@@ -24,7 +24,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from timing import median_ms, tbps
+from timing import graph_ms, median_ms, tbps
 
 from ponytail import CacheConfig, PagedKVCache
 from ponytail.attention import decode as decode_kernel, prefill_cupy, torch_fallback
@@ -60,24 +60,6 @@ def contiguous_kv(cache, tables, seq_lens):
     return gather(cache.storage, 0, tables, seq_lens)
 
 
-def device_ms(fn, iters, device) -> float:
-    """Median device time of one fn() call: REPS calls replayed from one CUDA graph, so host
-    overhead (which serving hides the same way) does not count; eager timing on the CPU."""
-    if device.type != "cuda":
-        return median_ms(fn, iters=iters, device=device)
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):  # warm up off the default stream, as capture requires
-        fn()
-        fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    return median_ms(graph.replay, iters=iters, device=device) / REPS
-
-
 def rel_error(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -99,7 +81,7 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
         return F.scaled_dot_product_attention(query, k, v, scale=scale, **gqa)
 
     expected = sdpa()
-    sdpa_ms = device_ms(sdpa, iters, device)
+    sdpa_ms = graph_ms(sdpa, iters=iters, device=device, reps=REPS)
     results = []
     for launch in launch_sets:
         saved = dict(decode_kernel.LAUNCH)
@@ -108,7 +90,7 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
             err = rel_error(ours(), expected)
             if err > MAX_REL_ERROR:
                 raise SystemExit(f"{name} {launch}: relative error {err:.2e} vs SDPA")
-            ours_ms = device_ms(ours, iters, device)
+            ours_ms = graph_ms(ours, iters=iters, device=device, reps=REPS)
             eager_ms = median_ms(ours, iters=iters, reps=REPS, device=device)
             plan = None
             if device.type == "cuda":  # the launch layout used, for the table
@@ -168,9 +150,9 @@ def bench_prefill(batch, heads, kv_heads, head_dim, context, new, dtype, device,
     err = rel_error(ours(), sdpa())
     if err > MAX_REL_ERROR:
         raise SystemExit(f"prefill B={batch} T={new} ctx={context}: relative error {err:.2e} vs SDPA")
-    ours_ms = device_ms(ours, iters, device)
-    sdpa_ms = device_ms(sdpa, iters, device)
-    kernel_ms = device_ms(sdpa_kernel, iters, device)
+    ours_ms = graph_ms(ours, iters=iters, device=device, reps=REPS)
+    sdpa_ms = graph_ms(sdpa, iters=iters, device=device, reps=REPS)
+    kernel_ms = graph_ms(sdpa_kernel, iters=iters, device=device, reps=REPS)
     ours_eager_ms = median_ms(ours, iters=iters, device=device)
     sdpa_eager_ms = median_ms(sdpa, iters=iters, device=device)
     del cache, k, v, k_rep, v_rep

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from timing import median_ms, tbps
+from timing import graph_ms, tbps
 
 from ponytail import CacheConfig, PagedKVCache
 from ponytail.attention import decode as decode_kernel, prefill_cupy, torch_fallback
@@ -143,7 +143,7 @@ def measure(layout: Layout, shape: Shape, iters: int, dtype) -> dict:
         for layer in layer_of:
             paged_attention(storage, layer, query, layout.tables, layout.seq_lens, None, scale)
 
-    ms = _graph_ms(step, iters, device) / CALLS
+    ms = graph_ms(step, iters=iters, device=device) / CALLS
     kv_bytes = 2 * shape.batch * shape.context * shape.kv_heads * shape.head_dim * dtype.itemsize
     plan = None
     if device.type == "cuda":
@@ -152,20 +152,6 @@ def measure(layout: Layout, shape: Shape, iters: int, dtype) -> dict:
     return {"ms_per_call": ms, "tbps": tbps(kv_bytes, ms), "rel_error": error, "plan": plan,
             "table_width": layout.tables.shape[1], "chunks": len(storage.chunks),
             "pool_bytes": storage.allocated_bytes}
-
-
-def _graph_ms(fn, iters: int, device) -> float:
-    if device.type != "cuda":
-        return median_ms(fn, iters=iters, device=device)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # warm-up off the capturing stream (kernel loads, workspaces)
-        fn()
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return median_ms(graph.replay, iters=iters, device=device)
 
 
 def main() -> int:

@@ -42,5 +42,23 @@ def median_ms(fn, *, warmup: int = 3, iters: int = 20, reps: int = 1,
     return statistics.median(times)
 
 
+def graph_ms(fn, *, iters: int, device: torch.device, reps: int = 1) -> float:
+    """Median device time of one fn() call: `reps` calls replayed from one CUDA graph, so host
+    overhead (which serving hides the same way) does not count; eager timing on the CPU."""
+    if device.type != "cuda":
+        return median_ms(fn, iters=iters, device=device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):  # warm up off the default stream, as capture requires
+        fn()
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    return median_ms(graph.replay, iters=iters, device=device) / reps
+
+
 def tbps(num_bytes: int, ms: float) -> float:
     return num_bytes / (ms * 1e-3) / 1e12

@@ -121,7 +121,8 @@ class ModelRunner:
         self.hf_cache.step = PackedStep(
             slot_mapping=self._tensor(slots, torch.int64),
             decode=self._decode_rows(decode, tables[: len(decode)]),
-            prefill=self._prefill_chunks(prefill, tables[len(decode) :], start=len(decode)))
+            prefill=self._prefill_chunks([(c.start, c.num_tokens) for c in prefill], tables[len(decode) :],
+                                         start=len(decode)))
         ids = self._tensor(input_ids, torch.int64)
         if fill is not None:
             fill_inputs(ids, *fill)
@@ -138,19 +139,10 @@ class ModelRunner:
         for rows in WARM_UP_STEPS:
             if max(context + new for context, new in rows) > self.max_model_len:
                 continue
-            ids, positions, cu, tables = [], [], [0], []
-            for context, new in rows:
-                positions.extend(range(context, context + new))
-                cu.append(cu[-1] + new)
-                tables.append([0] * cdiv(context + new, self.block_size))
-            no_context = all(context == 0 for context, _ in rows)
-            seq_lens = [context + new for context, new in rows]
-            self.hf_cache.step = PackedStep(
-                slot_mapping=self._tensor([-1] * len(positions), torch.int64), decode=None,
-                prefill=PrefillChunks(start=0, cu_seq_q=self._tensor(cu, torch.int32), max_query_len=max(n for _, n in rows),
-                                      block_tables=self._table(tables), seq_lens=self._tensor(seq_lens, torch.int32),
-                                      num_keys=sum(seq_lens), sdpa=False,
-                                      runs=equal_length_runs([n for _, n in rows]) if no_context else None))
+            positions = [p for context, new in rows for p in range(context, context + new)]
+            tables = [[0] * cdiv(context + new, self.block_size) for context, new in rows]
+            self.hf_cache.step = PackedStep(slot_mapping=self._tensor([-1] * len(positions), torch.int64), decode=None,
+                                            prefill=self._prefill_chunks(list(rows), tables, start=0, sdpa=False))
             try:
                 self._forward(self._tensor([0] * len(positions), torch.int64), positions, [len(positions) - 1])
             except Exception as error:
@@ -183,19 +175,20 @@ class ModelRunner:
         return DecodeRows(block_tables=self._table(tables),
                           seq_lens=self._tensor([c.start + 1 for c in members], torch.int32))
 
-    def _prefill_chunks(self, members: list[ScheduledChunk], tables: list[list[int]],
-                        start: int) -> PrefillChunks | None:
-        if not members:
+    def _prefill_chunks(self, rows: list[tuple[int, int]], tables: list[list[int]], start: int,
+                        sdpa: bool = True) -> PrefillChunks | None:
+        """rows: each chunk's (context tokens, new tokens). sdpa=False: varlen only, shapes not counted."""
+        if not rows:
             return None
         cu = [0]
-        for chunk in members:
-            cu.append(cu[-1] + chunk.num_tokens)
-        runs = equal_length_runs([c.num_tokens for c in members]) if all(c.start == 0 for c in members) else None
-        seq_lens = [c.start + c.num_tokens for c in members]
+        for _, new in rows:
+            cu.append(cu[-1] + new)
+        runs = equal_length_runs([new for _, new in rows]) if all(context == 0 for context, _ in rows) else None
+        seq_lens = [context + new for context, new in rows]
         return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
-                             max_query_len=max(c.num_tokens for c in members), block_tables=self._table(tables),
+                             max_query_len=max(new for _, new in rows), block_tables=self._table(tables),
                              seq_lens=self._tensor(seq_lens, torch.int32), num_keys=sum(seq_lens),
-                             runs=runs, sdpa=runs is not None and self.sdpa_shapes.recurring(runs))
+                             runs=runs, sdpa=sdpa and runs is not None and self.sdpa_shapes.recurring(runs))
 
     def _table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))
