@@ -72,6 +72,34 @@ def test_probe_decode_layout_small_checks_every_layout_against_sdpa(tmp_path):
         "base": 3, "wide": 8, "layers": 3, "pool": 3, "engine": 3, "engine-wide": 8}
 
 
+def test_probe_gemm_small_checks_every_method_and_sums_a_forward_pass(tmp_path):
+    out = tmp_path / "gemm.json"
+    run_script("probe_gemm.py", "--small", "--json", str(out))
+    data = json.loads(out.read_text())
+    probe = benchmark_module("probe_gemm")
+    assert {(r["method"], r["rows"]) for r in data["results"]} == {
+        (m, rows) for m in probe.DEFAULT_METHODS for rows in (3, 17)}
+    assert all(r["rel_error"] < probe.MAX_REL_ERROR and r["ms"] > 0 for r in data["results"])
+    # --small: 2 layers, so a pass is 2 x (qkv + o + gate_up + down) + the LM head once.
+    projs = [probe.Projection(**p) for p in data["projections"]]
+    assert [(p.name, p.in_features, p.out_features, p.per_step) for p in projs] == [
+        ("qkv", 64, 128, 2), ("o", 64, 64, 2), ("gate_up", 64, 320, 2), ("down", 160, 64, 2), ("lm_head", 64, 300, 1)]
+    for step in data["step_ms"]:
+        mine = {r["projection"]: r["ms"] for r in data["results"]
+                if (r["method"], r["rows"]) == (step["method"], step["rows"])}
+        assert step["ms"] == pytest.approx(2 * (mine["qkv"] + mine["o"] + mine["gate_up"] + mine["down"]) + mine["lm_head"])
+
+
+def test_probe_gemm_methods_compute_the_same_product():
+    probe = benchmark_module("probe_gemm")
+    x, weight = torch.randn(5, 24), torch.randn(40, 24)
+    for method in ("linear", "linear_lt", "transposed", "transposed_lt"):
+        fn, _ = probe.gemm_fn(method, x, weight)
+        torch.testing.assert_close(fn(), x @ weight.t())
+    with pytest.raises(ValueError, match="method 'nope': choose from linear, linear_lt"):
+        probe.gemm_fn("nope", x, weight)
+
+
 def test_probe_decode_layout_engine_rows_are_the_allocators_tables():
     probe = benchmark_module("probe_decode_layout")
     shape = probe.Shape(batch=3, heads=4, kv_heads=2, head_dim=8, layers=2, prompt=20, context=45,
