@@ -34,6 +34,7 @@ from ponytail.attention import decode as decode_kernel
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import can_compile, restore_decoder_layers
 from ponytail.runner.fused_projections import can_fuse, unfuse_projections
+from ponytail.runner.gemm_layout import row_major_weights
 
 import peer_workloads
 from vllm_peer import read_results, run_vllm
@@ -103,20 +104,23 @@ class Replayed:
 def llm_args_for(peer: str, model) -> dict:
     """The LLM arguments of a peer. The model object is handed to LLM here, where LLM's defaults
     leave it eager and unfused; "ponytail" gets what `LLM(dir)` chooses when it loads the model
-    itself (compile_model and fuse_projections on CUDA), then the peer's own arguments."""
+    itself (compile_model, fuse_projections and column_major_weights on CUDA), then the peer's own arguments."""
     base, own = parse_peer(peer)
     own = {k: v for k, v in own.items() if not k.startswith(LAUNCH_PREFIX)}  # see peer_launch
     compiled = VARIANTS[base]
     on_cuda = next(model.parameters()).device.type == "cuda"
     if compiled is None:
         compiled = on_cuda and can_compile(model)
-    return {"compile_model": compiled, "fuse_projections": on_cuda and can_fuse(model), **own}
+    return {"compile_model": compiled, "fuse_projections": on_cuda and can_fuse(model),
+            "column_major_weights": on_cuda and can_compile(model), **own}
 
 
 def restore_model(model) -> None:
-    """The next peer gets the model as loaded: LLM compiled its layers and fused its projections in place."""
+    """The next peer gets the model as loaded: LLM compiled its layers, fused its projections and laid
+    their weights out column-major in place."""
     restore_decoder_layers(model)
     unfuse_projections(model)
+    row_major_weights(model)
 
 
 def greedy(n: int) -> SamplingParams:

@@ -25,7 +25,6 @@ replays (device time). A step's GEMM time = the layer's projections x layers + t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -34,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from timing import graph_ms, tbps
+
+from ponytail.runner.gemm_layout import blas_library
 
 METHODS = ("linear", "linear_lt", "transposed", "transposed_lt", "triton")
 DEFAULT_METHODS = ("linear", "linear_lt", "transposed", "transposed_lt")
@@ -54,20 +55,6 @@ def projections(hidden: int, intermediate: int, heads: int, kv_heads: int, head_
     return [Projection("qkv", hidden, qkv, layers), Projection("o", heads * head_dim, hidden, layers),
             Projection("gate_up", hidden, 2 * intermediate, layers), Projection("down", intermediate, hidden, layers),
             Projection("lm_head", hidden, vocab, 1)]
-
-
-@contextlib.contextmanager
-def blas_library(name: str | None):
-    """Torch's preferred BLAS library for the calls (and graph captures) inside; restored after."""
-    if name is None or not torch.cuda.is_available():
-        yield
-        return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def gemm_fn(method: str, x: torch.Tensor, weight: torch.Tensor):

@@ -41,7 +41,8 @@ class EngineReplica:
                  model_alias: str | None = None, max_deltas_per_s: float | None = None,
                  keep_prefix_cache: bool = True, engine_process: bool | None = None,
                  prefill_delay_factor: float | None = None, generation_config: str = "auto",
-                 fuse_projections: bool | None = None, prefill_attention: str | None = None):
+                 fuse_projections: bool | None = None, prefill_attention: str | None = None,
+                 column_major_weights: bool | None = None):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -56,7 +57,7 @@ class EngineReplica:
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
                           prefill_delay_factor=prefill_delay_factor, fuse_projections=fuse_projections,
-                          prefill_attention=prefill_attention)
+                          prefill_attention=prefill_attention, column_major_weights=column_major_weights)
         if engine_process is None:
             engine_process = _on_gpu(device)
         # Merged deltas: one Ray message per stream per interval, not one per token. In one process

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.runner.gemm_layout import is_column_major
 
 pytestmark = pytest.mark.gpu
 
@@ -111,10 +112,11 @@ def test_fa4_kernels_are_ready_when_llm_returns(monkeypatch):
     assert set(_flash_attn_fwd.compile_cache.cache) == ready
 
 
-@pytest.mark.parametrize("fuse_projections", [False, True])
-def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_projections):
+@pytest.mark.parametrize("fuse_projections,column_major", [(False, False), (True, False), (True, True)])
+def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_projections, column_major):
     """compile_model=True: inductor's fused kernels captured in the decode graphs, fp32; with
-    fuse_projections, one GEMM for q/k/v and gate/up traced and captured too."""
+    fuse_projections, one GEMM for q/k/v and gate/up traced and captured too; with
+    column_major_weights, those GEMMs on column-major weights through cuBLASLt."""
     from ponytail.runner.compile import restore_decoder_layers
     from ponytail.runner.fused_projections import unfuse_projections
 
@@ -128,7 +130,7 @@ def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_p
                              eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
     llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, compile_model=True,
-                       fuse_projections=fuse_projections)
+                       fuse_projections=fuse_projections, column_major_weights=column_major)
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     finally:
@@ -198,7 +200,8 @@ def word_tokenizer(vocab_size: int):
 
 
 def test_llm_from_a_directory_compiles_and_fuses_by_default(monkeypatch, tmp_path):
-    """LLM(path) on CUDA: compile_model and fuse_projections on by default, same greedy tokens."""
+    """LLM(path) on CUDA: compile_model, fuse_projections and column_major_weights on by default, same
+    greedy tokens."""
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
     model = small_model()
     model.save_pretrained(tmp_path)
@@ -214,6 +217,13 @@ def test_llm_from_a_directory_compiles_and_fuses_by_default(monkeypatch, tmp_pat
     assert "forward" in vars(loaded.model.layers[0])  # compiled
     assert "forward" in vars(attn.q_proj) and "forward" in vars(loaded.model.layers[0].mlp.up_proj)  # fused
     assert attn.k_proj.weight.untyped_storage().data_ptr() == attn.q_proj.weight.untyped_storage().data_ptr()
+    assert is_column_major(attn.q_proj.weight) and is_column_major(loaded.model.layers[0].mlp.down_proj.weight)
+    libraries = []  # the BLAS preference inside the model's calls (prompt steps run eagerly)
+    loaded.model.layers[0].register_forward_pre_hook(
+        lambda *_: libraries.append(torch.backends.cuda.preferred_blas_library()))
+    before = torch.backends.cuda.preferred_blas_library()
     outputs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected
     assert llm.engine.runner.graphs.replays > 0
+    assert libraries and set(libraries) == {torch._C._BlasBackend.Cublaslt}
+    assert torch.backends.cuda.preferred_blas_library() == before  # the rest of the process keeps its own

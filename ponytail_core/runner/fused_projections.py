@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .compile import can_compile, decoder_layers
+from .gemm_layout import is_column_major
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -75,7 +76,10 @@ def _fuse_group(linears: list) -> bool:
     if not _fusable(linears):
         return False
     with torch.no_grad():
-        weight = torch.cat([m.weight for m in linears])
+        if all(is_column_major(m.weight) for m in linears):  # gemm_layout ran first: keep its layout
+            weight = torch.cat([m.weight.t() for m in linears], dim=1).t()
+        else:
+            weight = torch.cat([m.weight for m in linears])
         bias = torch.cat([m.bias for m in linears]) if linears[0].bias is not None else None
     sizes = [m.out_features for m in linears]
     start = 0

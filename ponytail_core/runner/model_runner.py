@@ -44,15 +44,22 @@ class ModelRunner:
     """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
     compile_model: torch.compile the decoder layers around the attention call (compile.py);
     fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py);
+    column_major_weights: projection weights stored column-major, GEMMs through cuBLASLt on CUDA (gemm_layout.py);
     prefill_varlen: the prefill chunks' varlen kernel on CUDA, "flash" or "fa4" (attention/fa4.py)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False,
-                 prefill_varlen: str = "flash"):
+                 prefill_varlen: str = "flash", column_major_weights: bool = False):
         self.model = model
         self.device = cache.config.device
         self.max_model_len = max_model_len
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
+        if column_major_weights:  # before fusing, compiling and capture: all three keep or record the layout
+            from .gemm_layout import column_major_weights as relayout, forward_through_cublaslt
+
+            relayout(model)
+            if self.device.type == "cuda":
+                forward_through_cublaslt(model)
         if fuse_projections:
             from .fused_projections import fuse_projections as fuse
 
