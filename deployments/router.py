@@ -160,6 +160,17 @@ class Reservation:
     entry: tuple[float, int]  # the ledger's (time, blocks) send entry
 
 
+@dataclass(slots=True)
+class Claim:
+    """The blocks a held request waits for on one replica (the oldest claim counts: class docstring)."""
+
+    pending: PendingRequest
+    replica_id: ReplicaID
+    blocks: int  # the held request's need there
+    arrival: tuple[float, int]  # (created_at, id): claims of requests that arrived first take precedence
+    renewed: float  # router clock of the last poll that held the request
+
+
 class KVBlockRouter(FIFOMixin, RequestRouter):
     """Ranks engine replicas by the KV-cache blocks they have free for this request.
 
@@ -187,20 +198,28 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     are late) may well have room; Ray's queue-length check still keeps full replicas out. When
     every report is stale the router degrades to least-queue routing.
 
-    When every replica has a fresh report and none has room, the request is held here (polling
-    every HOLD_POLL_S) rather than queued in one engine: it then goes to whichever replica frees
-    blocks first, as one queue in front of all replicas would send it, instead of waiting behind
-    one engine's requests while another has room. Ray routes pending requests in arrival order,
-    so held requests keep first-come-first-served order. After max_hold_s (or at once when its
-    blocks exceed every replica's whole pool, so the engine refuses it with a clear error) it
-    goes to tier 3's first replica. Ray's max_queued_requests still bounds what waits here.
+    When every replica has a fresh report and none has room, a generate request is held here
+    (polling every HOLD_POLL_S) rather than queued in one engine: it goes to whichever replica
+    frees blocks first, as one queue in front of all replicas would send it. While held it claims
+    the replica closest to fitting it (tier 3's order among pools that can hold it, the replica it
+    claimed already on ties). The oldest claim (by created_at) counts, as EASY backfilling
+    reserves for the head of its queue: to requests that arrived after it, that replica's
+    effective free blocks are less the claim, so they go elsewhere, wait, or backfill only blocks
+    it does not need; the next oldest takes over once it is routed. Ray ranks up to two requests
+    per replica at once, so without the claim short ones arriving later took each block freed
+    under a held 4k-token prompt. (Counting every claim makes the hold strictly first come first
+    served, which in a simulated backlog cost mean wait and gained no p99.) A claim ends when its
+    request is routed or cancelled, lapses when no poll renews it for CLAIM_TTL_S, and counts only
+    while the replica's report is fresh. After max_hold_s (or at once when its blocks exceed every
+    replica's whole pool, so the engine refuses it with a clear error) the request goes to tier
+    3's first replica. Ray's max_queued_requests still bounds what waits here.
 
     Each rank holds one replica: Ray picks the shortest queue within a rank, so ranks of one keep
     the block order, and Ray moves on to the next rank when a replica's queue is full
     (max_ongoing_requests). Remaining ties are broken at random so that routers do not all pick the
     same replica. The ledger only knows this router's sends: other routers' show up at the next
     report. choose_replicas reads in-memory state only, awaits nothing but a held request's poll,
-    and costs O(n log n) in the number of replicas.
+    and costs O(n log n) in the number of replicas plus O(held requests) for the claims.
 
     The chosen replica goes to the request it was ranked for: Ray's routing tasks finish out of
     order (each awaits queue-length probes), and FIFOMixin alone would hand the replica picked
@@ -237,6 +256,10 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """How often a held request looks again: completions seen here free blocks at once, reports
     arrive every stats period."""
 
+    CLAIM_TTL_S = 10 * HOLD_POLL_S
+    """A held request's claim lapses when no poll renewed it for this long (its routing task is
+    gone); routing or cancelling it ends the claim at once."""
+
     FALLBACK_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
     """Converts a send to blocks before the replica has ever reported its block size."""
 
@@ -249,6 +272,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         self.max_hold_s = self.MAX_HOLD_S
         self._ledgers: dict[ReplicaID, Ledger] = {}
         self._reservations: dict[int, Reservation] = {}  # id(PendingRequest) -> blocks reserved at choice
+        self._claims: dict[int, Claim] = {}  # id(PendingRequest) -> what the held request waits for
 
     def initialize_state(self, clock: Callable[[], float] | None = None, stats_max_age_s: float | None = None,
                          max_hold_s: float | None = None, **unknown):
@@ -263,17 +287,17 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         if clock is not None:
             self.clock = clock
 
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         """Every live candidate, one per rank, best first (see the class docstring)."""
         if pending_request is not None:
             # Lets Ray back off between rounds when every replica is full (it spins otherwise).
             pending_request.routing_context.should_backoff = True
         now = self.clock()
         tokens = request_tokens(pending_request)
+        # Claim.arrival; id() breaks created_at ties, and a claim keeps its request (so its id) alive.
+        arrival = (pending_request.created_at, id(pending_request)) if pending_request is not None else (math.inf, 0)
+        claimed = self._claimed_before(arrival, now)
         fits, unknown, short = [], [], []
         could_ever_fit = False  # some replica's whole pool holds the request
         for replica in candidate_replicas:
@@ -287,30 +311,54 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             if report is None or now - report.time > self.stats_max_age_s:
                 unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
                 continue
-            free = report.free_blocks - ledger.unreported_blocks
+            free = report.free_blocks - ledger.unreported_blocks - claimed.get(replica_id, 0)
             placement = self._placement(replica, report, free, tokens, pending_request)
             need = placement.need
-            could_ever_fit |= report.total_blocks <= 0 or need <= report.total_blocks
+            pool_fits = report.total_blocks <= 0 or need <= report.total_blocks
+            could_ever_fit |= pool_fits
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
                 load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
                 used = 1 - free / report.total_blocks if report.total_blocks > 0 else 0.0
                 fits.append((used - placement.affinity, load, free, replica))
             else:
-                short.append(((need - free, report.load, random.random()), replica))
-        if not fits and not unknown and could_ever_fit and self._hold(pending_request, now):
-            await asyncio.sleep(self.HOLD_POLL_S)
+                short.append(((need - free, report.load, random.random()), replica, need, pool_fits))
+        if not fits and not unknown and could_ever_fit and tokens is not None and self._hold(pending_request, now):
+            self._claim(pending_request, arrival, now, short)
+            try:
+                await asyncio.sleep(self.HOLD_POLL_S)
+            except asyncio.CancelledError:  # the request was cancelled or routed by another task
+                self._claims.pop(id(pending_request), None)
+                raise
             return []
         most_load = max((load for _, load, _, _ in fits), default=0) or 1
         scored = [((used + load / most_load, -free, random.random()), replica) for used, load, free, replica in fits]
-        return [[replica] for tier in (scored, unknown, short)
-                for _, replica in sorted(tier, key=lambda entry: entry[0])]
+        return [[entry[1]] for tier in (scored, unknown, short)
+                for entry in sorted(tier, key=lambda entry: entry[0])]
+
+    def _claimed_before(self, arrival: tuple[float, int], now: float) -> dict[ReplicaID, int]:
+        """The oldest claim's blocks on its replica, when it arrived before `arrival` (see the class
+        docstring); drops the claims that lapsed or whose request is done."""
+        head = None
+        for key, claim in list(self._claims.items()):
+            if now - claim.renewed > self.CLAIM_TTL_S or claim.pending.future.done():
+                del self._claims[key]
+            elif head is None or claim.arrival < head.arrival:
+                head = claim
+        return {head.replica_id: head.blocks} if head is not None and head.arrival < arrival else {}
+
+    def _claim(self, pending_request: PendingRequest, arrival: tuple[float, int], now: float, short: list) -> None:
+        """Claims (or renews the claim on) the replica closest to fitting the held request; `short`
+        holds every replica here, and one whose pool can hold the request (else it is not held)."""
+        previous = self._claims.get(id(pending_request))
+        current = previous.replica_id if previous is not None else None
+        _, replica, need, _ = min((entry for entry in short if entry[3]), key=lambda entry: (
+            entry[0][0], entry[1].replica_id != current, entry[0][1:]))  # deficit, the claim held, load
+        self._claims[id(pending_request)] = Claim(pending_request, replica.replica_id, need, arrival, now)
 
     def _hold(self, pending_request: PendingRequest | None, now: float) -> bool:
         """Keep the request here for another poll: no replica has room now, and it has waited
-        less than max_hold_s. Waiting here rather than in one engine's queue, it goes to whichever
-        replica frees blocks first (one queue for all replicas, first come first served: Ray
-        routes pending requests in arrival order)."""
+        less than max_hold_s (see the class docstring)."""
         if pending_request is None or self.max_hold_s <= 0:
             return False
         context = pending_request.routing_context
@@ -335,12 +383,9 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         return None
 
     def _fulfill_next_pending_request(self, replica: RunningReplica, request_metadata=None) -> None:
-        """FIFOMixin's hand-over of a chosen replica, and the blocks reserved for it at once.
-
-        The request reaches the replica only after a round trip (Ray's rejection protocol), and
-        in a burst other routing tasks rank their requests meanwhile: without the reservation
-        they would all see the same free blocks and could send every long prompt to one replica.
-        """
+        """FIFOMixin's hand-over of a chosen replica, and the blocks reserved for it at once: the
+        request reaches the replica a round trip later (Ray's rejection protocol), and in a burst
+        other routing tasks rank their requests meanwhile (they would all see the same free blocks)."""
         target = self._get_pending_request_matching_metadata(request_metadata) or next(
             (p for p in self._pending_requests_to_fulfill if not p.future.done()), None)
         super()._fulfill_next_pending_request(replica, request_metadata)
@@ -365,6 +410,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry)
 
     def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> Reservation:
+        self._claims.pop(id(pending_request), None)  # routed: its blocks are the ledger's now
         now = self.clock()
         stale = [key for key, r in self._reservations.items() if now - r.entry[0] > self.stats_max_age_s]
         for key in stale:  # never routed (cancelled): a newer report has dropped their blocks anyway
