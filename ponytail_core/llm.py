@@ -71,7 +71,8 @@ class LLM:
     more output tokens/s on a 7B, H200); a model object handed over stays as it is unless True.
     column_major_weights: the decoder's projection weights (and an untied LM head's) stored
     column-major, their GEMMs run through cuBLASLt (runner/gemm_layout.py: 7% faster GEMMs at 64
-    rows, 2.7% at 8,192 on a 7B, H200); None: on for CUDA devices when LLM loads the model itself.
+    rows on a 7B, H200; 1.9% more output tokens/s on 64 x 512/1,024); None: on for CUDA devices
+    when LLM loads the model itself.
     prefill_attention: the kernel that attends packed prompt chunks on CUDA: "flash" (torch's
     FlashAttention-2) or "fa4" (FlashAttention-4, `pip install 'ponytail[fa4]'`: attention 1.14-1.26x
     as fast at head_dim 128, a 7B's prefill 1.05x, H200; attention/fa4.py); None: "fa4" where it is
