@@ -24,7 +24,7 @@ logger = logging.getLogger("ponytail.engine")
 
 # (attribute on the layer, member projections in the order the stock forwards call them)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-_FUSED_ATTR = "_ponytail_fused"
+FUSED_ATTR = "_ponytail_fused"  # set on fused members (gemm_layout leaves them to their group)
 
 
 class _Pending:
@@ -71,7 +71,7 @@ def _group(layer, attr: str, names: tuple[str, ...]) -> list | None:
 
 def _fuse_group(linears: list) -> bool:
     """Fuses one group in place; True where it is fused now (already fused counts: fusing twice is a no-op)."""
-    if _FUSED_ATTR in vars(linears[0]):
+    if FUSED_ATTR in vars(linears[0]):
         return True
     if not _fusable(linears):
         return False
@@ -91,7 +91,7 @@ def _fuse_group(linears: list) -> bool:
     pending = _Pending()
     for index, m in enumerate(linears):
         m.forward = _member_forward(m, index, len(linears) - 1, weight, bias, sizes, pending)
-        setattr(m, _FUSED_ATTR, True)
+        setattr(m, FUSED_ATTR, True)
     return True
 
 
@@ -127,5 +127,5 @@ def unfuse_projections(model) -> None:
     for layer in decoder_layers(model):
         for attr, names in GROUPS:
             for member in _group(layer, attr, names) or []:
-                if vars(member).pop(_FUSED_ATTR, None):
+                if vars(member).pop(FUSED_ATTR, None):
                     vars(member).pop("forward", None)

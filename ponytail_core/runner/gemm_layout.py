@@ -32,29 +32,35 @@ def is_column_major(weight: torch.Tensor) -> bool:
     return weight.dim() == 2 and weight.shape[0] > 1 and weight.stride(0) == 1 and weight.stride(1) >= weight.shape[0]
 
 
-def _relayout(linear: torch.nn.Linear) -> bool:
-    weight = linear.weight
-    if is_column_major(weight) or weight.shape[0] == 1 or weight.shape[1] == 1:
-        return False  # done already, or a vector (both layouts are the same memory)
+def _set_weight(linear: torch.nn.Linear, weight: torch.Tensor) -> None:
     with torch.no_grad():
-        linear.weight = torch.nn.Parameter(weight.detach().t().contiguous().t(), requires_grad=weight.requires_grad)
-    return True
+        linear.weight = torch.nn.Parameter(weight, requires_grad=linear.weight.requires_grad)
 
 
-def column_major_weights(model) -> int:
-    """Stores every plain nn.Linear weight in the decoder layers, and the LM head's where it is not
-    the input embedding's (a tied head stays: embedding lookups want rows), column-major; returns
-    how many changed. Run it before fuse_projections (which keeps its members' layout) and before
-    compiling or capturing graphs (both record the strides)."""
-    linears = [m for layer in decoder_layers(model, wanted_by="column_major_weights=True")
-               for m in layer.modules() if type(m) is torch.nn.Linear and "_ponytail_fused" not in vars(m)]
+def _projections(model, wanted_by: str) -> list[torch.nn.Linear]:
+    """Every plain nn.Linear in the decoder layers, then the LM head where it is one and not the
+    input embedding's weight (a tied head stays: embedding lookups want rows)."""
+    linears = [m for layer in decoder_layers(model, wanted_by=wanted_by)
+               for m in layer.modules() if type(m) is torch.nn.Linear]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     if type(head) is torch.nn.Linear and (embedding is None or head.weight.data_ptr() != embedding.weight.data_ptr()):
         linears.append(head)
-    changed = sum(_relayout(m) for m in linears)
-    logger.info("stored %d of %d projection weights column-major", changed, len(linears))
-    return changed
+    return linears
+
+
+def column_major_weights(model) -> int:
+    """Stores the weights of _projections(model) column-major; returns how many changed. Run it
+    before fuse_projections (which keeps its members' layout; members fused already are left to
+    their group) and before compiling or capturing graphs (both record the strides)."""
+    from .fused_projections import FUSED_ATTR  # that module imports this one
+
+    linears = [m for m in _projections(model, "column_major_weights=True") if FUSED_ATTR not in vars(m)]
+    relaid = [m for m in linears if not is_column_major(m.weight) and min(m.weight.shape) > 1]  # a vector: same memory
+    for m in relaid:
+        _set_weight(m, m.weight.detach().t().contiguous().t())
+    logger.info("stored %d of %d projection weights column-major", len(relaid), len(linears))
+    return len(relaid)
 
 
 @contextlib.contextmanager
@@ -96,13 +102,7 @@ def row_major_weights(model) -> int:
         vars(model).pop("forward", None)
     if not can_compile(model):
         return 0
-    linears = [m for layer in decoder_layers(model) for m in layer.modules() if type(m) is torch.nn.Linear]
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    linears += [head] if type(head) is torch.nn.Linear else []
-    changed = 0
-    for m in linears:
-        if is_column_major(m.weight):
-            with torch.no_grad():
-                m.weight = torch.nn.Parameter(m.weight.detach().contiguous(), requires_grad=m.weight.requires_grad)
-            changed += 1
-    return changed
+    relaid = [m for m in _projections(model, "row_major_weights") if is_column_major(m.weight)]
+    for m in relaid:
+        _set_weight(m, m.weight.detach().contiguous())
+    return len(relaid)
