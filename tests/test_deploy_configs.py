@@ -38,6 +38,8 @@ def test_app_args_are_checked():
         AppArgs(compile_model="yes")
     with pytest.raises(ValueError, match="fuse_projections=2 is not supported; allowed: true, false, null"):
         AppArgs(fuse_projections=2)
+    with pytest.raises(ValueError, match="column_major_weights='cols' is not supported; allowed: true, false, null"):
+        AppArgs(column_major_weights="cols")
     with pytest.raises(ValueError, match="engine_process='sometimes' is not supported; allowed: true, false, null"):
         AppArgs(engine_process="sometimes")
     with pytest.raises(ValueError, match=r"max_hold_s=-1 is not supported; allowed: seconds >= 0 \(0: never hold\)"):
