@@ -145,10 +145,10 @@ def engine_cpus(settings: AppArgs, gpu: bool) -> int:
 
 def router_arguments(settings: AppArgs) -> dict:
     """request_router_kwargs for the chosen router (Serve's own takes none)."""
+    blocks = {"max_hold_s": float(settings.max_hold_s), "admission": settings.router_admission}
     if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
-        return {"max_hold_s": float(settings.max_hold_s), "prefix_weight": float(settings.prefix_weight),
-                "model": settings.model}
-    return {"max_hold_s": float(settings.max_hold_s)} if settings.router == "kv_blocks" else {}
+        return {**blocks, "prefix_weight": float(settings.prefix_weight), "model": settings.model}
+    return blocks if settings.router == "kv_blocks" else {}
 
 
 def build(args: AppArgs | dict | None = None):

@@ -18,6 +18,7 @@ from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
 
 from .http_guard import API_KEY_ENV, AccessPolicy
 from .limits import RequestLimits
+from .protocol import ADMISSIONS
 
 ROUTERS = {
     "kv_blocks": "deployments.router:KVBlockRouter",
@@ -81,6 +82,11 @@ class AppArgs(BaseModel):
                         "(Serve's default, to compare)")
     max_hold_s: float = Field(10.0, description="kv_blocks: longest wait in the router while no replica "
                               "has room, seconds (0: never)")
+    router_admission: str = Field("engine", description="kv_blocks, prefix: how a request's KV blocks are "
+                                  "counted; engine (its prompt, against what the engine would admit now; running "
+                                  "requests' growth is the engine's, which preempts when short) | max_tokens "
+                                  "(prompt + max_tokens reserved: never a preemption, requests wait while blocks "
+                                  "sit free)")
     prefix_weight: float = Field(2.0, description="prefix: what a fully cached prompt weighs against pool "
                                  "use and load (each 0-1); 0: no affinity")
     compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
@@ -146,6 +152,13 @@ class AppArgs(BaseModel):
     def _device(cls, value: str) -> str:
         if value not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={value!r} is not supported; allowed: auto, cuda, cpu")
+        return value
+
+    @field_validator("router_admission")
+    @classmethod
+    def _router_admission(cls, value: str) -> str:
+        if value not in ADMISSIONS:
+            raise ValueError(f"router_admission={value!r} is not supported; allowed: {', '.join(ADMISSIONS)}")
         return value
 
     @field_validator("router")

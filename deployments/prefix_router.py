@@ -29,9 +29,9 @@ class PrefixAffinityRouter(KVBlockRouter):
     (ponytail.prefix_block_hashes, capped at len(prompt) - 1 tokens as the engine admits it), so
     `hits`, its leading blocks found in a replica's index, is the engine's prefix hit there. Then:
 
-    - need = blocks of (prompt + max_tokens) - hits: cached blocks are not taken again, so a
-      replica that holds the prefix fits requests the free-block count alone would call too big,
-      and the reservation is need;
+    - need = blocks of (prompt + what the admission counts of the output: KVBlockRouter) - hits:
+      cached blocks are not taken again, so a replica that holds the prefix fits requests the
+      free-block count alone would call too big, and the reservation is need;
     - evicts = need beyond the replica's free blocks that hold no cached prefix (cached_blocks):
       those blocks push other prefixes out of its cache; each is weighed by the index's reuse
       share (held blocks that a routed request has hit), what an evicted block is likely worth;
@@ -171,9 +171,10 @@ class PrefixAffinityRouter(KVBlockRouter):
             return super()._placement(replica, report, free, tokens, pending_request)
         hashes, tokens = prompt
         total = blocks_needed(tokens, report.block_size)
+        counted = blocks_needed(tokens - self.uncounted_tokens(pending_request), report.block_size)
         index = self.index(replica)
-        hits = min(index.match(hashes), total - 1)
-        need = total - hits
+        hits = min(index.match(hashes), counted - 1)
+        need = counted - hits
         cached_blocks = _cached_blocks(replica.routing_stats)
         evicts = max(0, need - max(0, free - cached_blocks))
         lost = evicts * index.reuse_share
@@ -186,11 +187,11 @@ class PrefixAffinityRouter(KVBlockRouter):
             return super()._reserved_blocks(pending_request, replica_id, report)
         hashes, tokens = prompt
         index = self.index(replica)
-        total = blocks_needed(tokens, report.block_size)
-        hits = min(index.match(hashes), total - 1)
+        counted = blocks_needed(tokens - self.uncounted_tokens(pending_request), report.block_size)
+        hits = min(index.match(hashes), counted - 1)
         index.mark_reused(hashes[:hits])
         index.add(hashes)  # there once prefilled: the next request with this prefix sees it at once
-        return total - hits
+        return counted - hits
 
     def index(self, replica: RunningReplica) -> PrefixIndex:
         """The replica's prefix index, with the events of its latest report applied."""

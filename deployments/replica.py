@@ -22,8 +22,8 @@ from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint
 from .segment_tokens import SegmentCache
-from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
-                       STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
+from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
+                       STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 logger = logging.getLogger(__name__)
@@ -258,12 +258,16 @@ class EngineReplica:
         evictable prefix blocks included, plus what the pool may still grow by) less those it has
         promised to the requests already here until they reach max_tokens (TGI reserves the same
         way). A router that sends only where this covers a request never makes the replica preempt.
+        startable_blocks is what the engine itself admits by: admissible blocks less the waiting
+        queue's tokens and the decode headroom (EngineStats.startable_blocks; vLLM's scheduler
+        admits the same way and preempts when running requests outgrow the pool).
         """
         stats = self.llm.stats()  # plain counters: no engine lock, no wait on a running step
         self.metrics.on_stats(stats)
         self.metrics.on_engine_loop(self.async_llm.num_steps, self.async_llm.step_seconds)
         free = stats.admissible_blocks - stats.promised_blocks
-        return {STAT_FREE_BLOCKS: max(0, free), STAT_TOTAL_BLOCKS: stats.max_blocks,
+        return {STAT_FREE_BLOCKS: max(0, free), STAT_STARTABLE_BLOCKS: max(0, stats.startable_blocks),
+                STAT_TOTAL_BLOCKS: stats.max_blocks,
                 STAT_NUM_RUNNING: stats.num_running, STAT_NUM_WAITING: stats.num_waiting,
                 STAT_BLOCK_SIZE: self.info.block_size, STAT_TIME: time.time(),
                 **self.prefix.routing_stats(stats.cached_blocks, advance=advance_prefix_window)}

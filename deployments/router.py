@@ -19,8 +19,8 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ponytail import DEFAULT_BLOCK_SIZE, SamplingParams, is_seconds
 
-from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING, STAT_TIME,
-                       STAT_TOTAL_BLOCKS, GenerateRequest)
+from .protocol import (ADMISSIONS, STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
+                       STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateRequest)
 
 DEFAULT_MAX_TOKENS = SamplingParams().max_tokens  # used when the request leaves it out, as the replica does
 
@@ -29,7 +29,8 @@ DEFAULT_MAX_TOKENS = SamplingParams().max_tokens  # used when the request leaves
 class Report:
     """The part of one replica's record_routing_stats() dict the ranking reads."""
 
-    free_blocks: int  # free now, plus what the pool may still grow by
+    free_blocks: int  # free once the requests there reach max_tokens, plus what the pool may still grow by
+    startable_blocks: int  # what the engine admits a new prompt into now (free_blocks when not reported)
     total_blocks: int  # the most blocks the pool may hold (0: not reported)
     load: int  # num_running + num_waiting
     block_size: int  # tokens per block
@@ -41,7 +42,9 @@ def read_report(stats: Any) -> Report | None:
     if not stats:
         return None
     try:
-        report = Report(free_blocks=int(stats[STAT_FREE_BLOCKS]), total_blocks=int(stats.get(STAT_TOTAL_BLOCKS, 0)),
+        free = int(stats[STAT_FREE_BLOCKS])
+        report = Report(free_blocks=free, startable_blocks=int(stats.get(STAT_STARTABLE_BLOCKS, free)),
+                        total_blocks=int(stats.get(STAT_TOTAL_BLOCKS, 0)),
                         load=int(stats[STAT_NUM_RUNNING]) + int(stats[STAT_NUM_WAITING]),
                         block_size=int(stats[STAT_BLOCK_SIZE]), time=float(stats[STAT_TIME]))
     except (KeyError, TypeError, ValueError):
@@ -49,9 +52,10 @@ def read_report(stats: Any) -> Report | None:
     return report if report.block_size >= 1 and math.isfinite(report.time) else None
 
 
-def request_tokens(pending_request: PendingRequest | None) -> int | None:
+def request_tokens(pending_request: PendingRequest | None, output: bool = True) -> int | None:
     """Prompt tokens (a cheap upper-bound guess) plus max_tokens for each sample (n, or best_of
-    when larger: they share the prompt); None when arg 0 is not a GenerateRequest."""
+    when larger: they share the prompt), or with output=False its first token only; None when
+    arg 0 is not a GenerateRequest."""
     args = pending_request.args if pending_request is not None else None
     if not args or not isinstance(args[0], GenerateRequest):
         return None
@@ -61,7 +65,7 @@ def request_tokens(pending_request: PendingRequest | None) -> int | None:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             max_tokens = DEFAULT_MAX_TOKENS  # the replica rejects the request; size it like a default one
         samples = max(_count(request.sampling.get("n")), _count(request.sampling.get("best_of")))
-        return request.num_prompt_tokens_hint() + samples * max_tokens
+        return request.num_prompt_tokens_hint() + samples * (max_tokens if output else 1)
     except (AttributeError, TypeError):  # malformed messages/sampling: the replica reports the error
         return None
 
@@ -175,10 +179,21 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """Ranks engine replicas by the KV-cache blocks they have free for this request.
 
     Every `request_routing_stats_period_s` each replica reports (record_routing_stats) its free
-    blocks (what is left once the requests it has reach max_tokens), running and waiting requests,
-    block size and the time of the reading. A request needs ceil((prompt tokens + max_tokens) /
-    block_size) blocks, from its GenerateRequest (none if the first argument is something else:
-    such calls fit everywhere). A replica's effective free blocks are its reported free blocks minus the blocks this
+    blocks, running and waiting requests, block size and the time of the reading. How blocks are
+    counted is `admission`:
+
+    - "engine" (the default) counts as the engine admits: a request needs the blocks of its prompt
+      and first token (ceil((prompt tokens + samples) / block_size)), against the replica's
+      startable blocks (free now behind its waiting queue, less the decode headroom). A request
+      starts where it would start had it been queued there; running requests' later growth is the
+      engine's to handle (it preempts the newest when the pool runs short, as vLLM does);
+    - "max_tokens" reserves: a request needs ceil((prompt tokens + max_tokens) / block_size),
+      against the blocks left once every request there reaches max_tokens (TGI's reservation).
+      Never a preemption, but requests wait here while blocks sit free: under a backlog of
+      short requests the engines run fewer at once than they could.
+
+    The size comes from the request's GenerateRequest (none if the first argument is something
+    else: such calls fit everywhere). A replica's effective free blocks are its reported free blocks minus the blocks this
     router routed to it after that report was taken, plus the blocks of requests that completed
     since (the ledger; a newer report drops what it already counts). Replicas are then ranked in
     three tiers:
@@ -234,13 +249,15 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     already see them gone. If another replica ends up taking the request (the chosen one rejected
     it as full), the reservation moves there.
 
-    Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S and
-    MAX_HOLD_S per deployment (stats_max_age_s, max_hold_s), and tests pass clock:
+    Tunables are class attributes; request_router_kwargs may override STATS_MAX_AGE_S,
+    MAX_HOLD_S and ADMISSION per deployment (stats_max_age_s, max_hold_s, admission), and tests
+    pass clock:
 
         RequestRouterConfig(request_router_class="deployments.router:KVBlockRouter",
                             request_routing_stats_period_s=0.2,
                             request_routing_stats_timeout_s=0.2,
-                            request_router_kwargs={"stats_max_age_s": 1.0, "max_hold_s": 10.0})
+                            request_router_kwargs={"stats_max_age_s": 1.0, "max_hold_s": 10.0,
+                                                   "admission": "engine"})
     """
 
     STATS_MAX_AGE_S = 1.0
@@ -260,6 +277,9 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """A held request's claim lapses when no poll renewed it for this long (its routing task is
     gone); routing or cancelling it ends the claim at once."""
 
+    ADMISSION = "engine"
+    """How a request's blocks are counted, one of ADMISSIONS (class docstring)."""
+
     FALLBACK_BLOCK_SIZE = DEFAULT_BLOCK_SIZE
     """Converts a send to blocks before the replica has ever reported its block size."""
 
@@ -270,16 +290,22 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         self.clock: Callable[[], float] = time.time
         self.stats_max_age_s = self.STATS_MAX_AGE_S
         self.max_hold_s = self.MAX_HOLD_S
+        self.admission = self.ADMISSION
         self._ledgers: dict[ReplicaID, Ledger] = {}
         self._reservations: dict[int, Reservation] = {}  # id(PendingRequest) -> blocks reserved at choice
         self._claims: dict[int, Claim] = {}  # id(PendingRequest) -> what the held request waits for
 
     def initialize_state(self, clock: Callable[[], float] | None = None, stats_max_age_s: float | None = None,
-                         max_hold_s: float | None = None, **unknown):
+                         max_hold_s: float | None = None, admission: str | None = None, **unknown):
         """Takes `request_router_config.request_router_kwargs`."""
         if unknown:
-            raise ValueError(f"request_router_kwargs {sorted(unknown)} are not known to KVBlockRouter; "
-                             "expected: stats_max_age_s (seconds), max_hold_s (seconds), clock (tests)")
+            raise ValueError(f"request_router_kwargs {sorted(unknown)} are not known to KVBlockRouter; expected: "
+                             f"stats_max_age_s (seconds), max_hold_s (seconds), admission ({' | '.join(ADMISSIONS)}), "
+                             "clock (tests)")
+        if admission is not None:
+            if admission not in ADMISSIONS:
+                raise ValueError(f"request_router_kwargs admission={admission!r}; allowed: {', '.join(ADMISSIONS)}")
+            self.admission = admission
         if stats_max_age_s is not None:
             self.stats_max_age_s = _seconds("stats_max_age_s", stats_max_age_s, allow_zero=False)
         if max_hold_s is not None:
@@ -294,7 +320,10 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             # Lets Ray back off between rounds when every replica is full (it spins otherwise).
             pending_request.routing_context.should_backoff = True
         now = self.clock()
-        tokens = request_tokens(pending_request)
+        # All the tokens it may come to hold, and those counted now (fewer under admission "engine"):
+        # a pool too small for all of them is no place to hold it for.
+        whole = request_tokens(pending_request)
+        tokens = whole - self.uncounted_tokens(pending_request) if whole is not None else None
         # Claim.arrival; id() breaks created_at ties, and a claim keeps its request (so its id) alive.
         arrival = (pending_request.created_at, id(pending_request)) if pending_request is not None else (math.inf, 0)
         claimed = self._claimed_before(arrival, now)
@@ -311,10 +340,12 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             if report is None or now - report.time > self.stats_max_age_s:
                 unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
                 continue
-            free = report.free_blocks - ledger.unreported_blocks - claimed.get(replica_id, 0)
+            reported = report.free_blocks if self.counts_output else report.startable_blocks
+            free = reported - ledger.unreported_blocks - claimed.get(replica_id, 0)
             placement = self._placement(replica, report, free, tokens, pending_request)
             need = placement.need
-            pool_fits = report.total_blocks <= 0 or need <= report.total_blocks
+            later = blocks_needed(whole, report.block_size) - blocks_needed(tokens, report.block_size)
+            pool_fits = report.total_blocks <= 0 or need + later <= report.total_blocks
             could_ever_fit |= pool_fits
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
@@ -439,7 +470,20 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
         """Blocks the ledger takes off the replica the request was chosen for."""
         block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
-        return blocks_needed(request_tokens(pending_request), block_size)
+        return blocks_needed(request_tokens(pending_request, self.counts_output), block_size)
+
+    def uncounted_tokens(self, pending_request: PendingRequest | None) -> int:
+        """Tokens of the request's size not counted when placing it: admission "engine" counts each
+        sample's first token, not its max_tokens."""
+        if self.counts_output:
+            return 0
+        whole, first = request_tokens(pending_request), request_tokens(pending_request, output=False)
+        return whole - first if whole is not None and first is not None else 0
+
+    @property
+    def counts_output(self) -> bool:
+        """Requests count their max_tokens (admission "max_tokens"), not just their first token."""
+        return self.admission == "max_tokens"
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ledger = self._ledgers.get(replica_id)

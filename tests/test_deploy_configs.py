@@ -108,7 +108,7 @@ def test_the_served_name_defaults_to_what_clients_can_load():
 def test_router_arguments_reach_only_the_kv_block_router():
     from deployments.app import AppArgs, router_arguments
 
-    assert router_arguments(AppArgs(max_hold_s=0)) == {"max_hold_s": 0.0}
+    assert router_arguments(AppArgs(max_hold_s=0)) == {"max_hold_s": 0.0, "admission": "engine"}
     assert router_arguments(AppArgs(router="power_of_two")) == {}
 
 

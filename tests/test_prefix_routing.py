@@ -37,6 +37,7 @@ def make_router(clock, **kwargs) -> PrefixAffinityRouter:
                                   initial_backoff_s=0.001, backoff_multiplier=1, max_backoff_s=0.001)
     if "tokenizer" not in kwargs:
         kwargs.setdefault("tokenize", False)  # token-id prompts: no tokenizer to load
+    kwargs.setdefault("admission", "max_tokens")  # the expectations count prompt + max_tokens
     router.initialize_state(clock=clock.time, **kwargs)
     return router
 

@@ -114,3 +114,32 @@ def test_the_report_splits_time_to_first_token_into_waiting_and_the_first_steps(
     report = replica.report()
     assert (report.num_ttft, report.ttft_seconds, report.queue_seconds) == (2, 0.625, 0.25)
     assert report.replica == "local" and not ray.is_initialized()  # reporting started no Ray cluster
+
+
+def test_startable_blocks_count_the_waiting_queue_ahead(replica):
+    """startable = admissible - blocks the waiting requests' tokens take - decode headroom (0 for a
+    64-block pool: 1% rounds down); a preempted request's generated tokens count too."""
+    engine = replica.llm.engine
+    greedy = dict(temperature=0, ignore_eos=True)
+    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=6, **greedy))  # A: 10 tokens, 3 blocks
+    engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=3, **greedy))  # B: 5 tokens, 2 blocks
+    engine.add_request(list(range(40, 47)), SamplingParams(max_tokens=9, **greedy))  # C: 7 tokens, 2 blocks
+    stats = replica.llm.stats()
+    assert (stats.queued_blocks, stats.headroom_blocks, stats.startable_blocks) == (7, 0, 64 - 7)
+    assert replica.record_routing_stats()["startable_blocks"] == 57
+
+    engine.step()  # A and B run (3 + 2 blocks taken), C waits
+    stats = replica.llm.stats()
+    assert (stats.admissible_blocks, stats.queued_blocks, stats.startable_blocks) == (59, 2, 57)
+
+    scheduler = engine.scheduler
+    victim = scheduler.running.pop()  # B, 6 tokens now: back to the queue's head as the scheduler preempts
+    scheduler._preempt(victim)
+    stats = replica.llm.stats()
+    assert (stats.admissible_blocks, stats.queued_blocks) == (61, 2 + 2)
+    assert replica.record_routing_stats()["startable_blocks"] == 61 - 4
+
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    stats = replica.llm.stats()
+    assert (stats.queued_blocks, stats.startable_blocks) == (0, 64)

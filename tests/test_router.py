@@ -96,6 +96,9 @@ def make_router(clock: FakeClock, **kwargs) -> KVBlockRouter:
                            self_actor_id="fake-actor-id", self_actor_handle=None,
                            use_replica_queue_len_cache=True, get_curr_time_s=clock.time,
                            initial_backoff_s=0.001, backoff_multiplier=1, max_backoff_s=0.001)
+    # These tests pin the reservation arithmetic (prompt + max_tokens against free_blocks);
+    # test_router_admission.py covers the default, admission "engine".
+    kwargs.setdefault("admission", "max_tokens")
     router.initialize_state(clock=clock.time, **kwargs)
     return router
 

@@ -11,6 +11,10 @@ only the other one (B) has room for, make B the busier replica by request count.
   to either replica, or at the probe);
 - a small request that fits anywhere goes to A, the less loaded replica.
 
+The router counts blocks as admission "max_tokens" does (router_admission), whose free blocks
+these sizes are written in; admission "engine" is tested with fake replicas
+(tests/test_router_admission.py) and measured on the GPU (bench_router.py).
+
 Placement is read from the replicas themselves (ReplicaReport.num_requests), not inferred from
 the requests succeeding. Prompts are token ids, so the router knows their exact size.
 """
@@ -39,7 +43,8 @@ SETTLE_S = 1.5  # > the router's STATS_MAX_AGE_S: its ledger then holds only wha
 @pytest.fixture(scope="module")
 def app(default_model):
     # 72 MiB of fp32 KV for SmolLM2-135M (45 KiB per token) is about 100 blocks of 16 tokens.
-    with running_app(min_replicas=2, max_replicas=2, kv_cache_memory="72MiB", router=ROUTER) as started:
+    with running_app(min_replicas=2, max_replicas=2, kv_cache_memory="72MiB", router=ROUTER,
+                     router_admission="max_tokens") as started:
         yield started
 
 

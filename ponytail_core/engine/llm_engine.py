@@ -385,6 +385,7 @@ class LLMEngine:
         return EngineStats(total_blocks=s.total_blocks, max_blocks=s.max_blocks, free_blocks=s.free_blocks,
                            admissible_blocks=s.free_blocks + self.cache.growable_blocks,
                            promised_blocks=self.scheduler.promises.total, used_blocks=s.used_blocks,
+                           queued_blocks=self.scheduler.promises.queued_total, headroom_blocks=self.scheduler.watermark_blocks,
                            cached_blocks=s.evictable_blocks,
                            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            fragmentation=s.fragmentation, num_preemptions=self.scheduler.num_preemptions,
