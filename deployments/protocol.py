@@ -96,7 +96,7 @@ class ReplicaReport:
 
 # Keys of a replica's record_routing_stats() dict, read by the router.
 ADMISSIONS = ("engine", "max_tokens")  # how the KV-block router counts a request's blocks (router.py)
-STAT_FREE_BLOCKS = "free_blocks"  # free once every request here reaches max_tokens (the router's max_tokens accounting)
+STAT_FREE_BLOCKS = "free_blocks"  # free once every request here reaches max_tokens (admission max_tokens)
 STAT_STARTABLE_BLOCKS = "startable_blocks"  # a new prompt may take now, behind the queue (engine accounting)
 STAT_TOTAL_BLOCKS = "total_blocks"
 STAT_NUM_RUNNING = "num_running"

@@ -23,7 +23,8 @@ from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
-                       STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest, ModelInfo, ReplicaReport)
+                       STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest,
+                       ModelInfo, ReplicaReport)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 logger = logging.getLogger(__name__)
