@@ -193,10 +193,10 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
       short requests the engines run fewer at once than they could.
 
     The size comes from the request's GenerateRequest (none if the first argument is something
-    else: such calls fit everywhere). A replica's effective free blocks are its reported free blocks minus the blocks this
-    router routed to it after that report was taken, plus the blocks of requests that completed
-    since (the ledger; a newer report drops what it already counts). Replicas are then ranked in
-    three tiers:
+    else: such calls fit everywhere). A replica's effective free blocks are its reported free (or
+    startable) blocks minus the blocks this router routed to it after that report was taken, plus
+    the blocks of requests that completed since (the ledger; a newer report drops what it already
+    counts). Replicas are then ranked in three tiers:
 
     1. fresh report, effective free blocks >= need: lowest score first, where score = the share of
        the pool in use (1 - effective free / total) + the load (running + waiting, plus this
