@@ -53,21 +53,33 @@ def read_report(stats: Any) -> Report | None:
 
 
 def request_tokens(pending_request: PendingRequest | None, output: bool = True) -> int | None:
-    """Prompt tokens (a cheap upper-bound guess) plus max_tokens for each sample (n, or best_of
-    when larger: they share the prompt), or with output=False its first token only; None when
-    arg 0 is not a GenerateRequest."""
+    """Prompt tokens (a cheap upper-bound guess) plus output_tokens(); None when arg 0 is not a
+    GenerateRequest or its messages are malformed (the replica reports the error)."""
+    sampled = output_tokens(pending_request, output)
+    if sampled is None:
+        return None
+    try:
+        return pending_request.args[0].num_prompt_tokens_hint() + sampled
+    except (AttributeError, TypeError):
+        return None
+
+
+def output_tokens(pending_request: PendingRequest | None, output: bool = True) -> int | None:
+    """max_tokens for each sample (n, or best_of when larger: they share the prompt), or with
+    output=False each sample's first token only; None when arg 0 is not a GenerateRequest or its
+    sampling is malformed (the replica reports the error). Reads no prompt."""
     args = pending_request.args if pending_request is not None else None
     if not args or not isinstance(args[0], GenerateRequest):
         return None
-    request = args[0]
+    sampling = args[0].sampling
     try:
-        max_tokens = request.sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            max_tokens = DEFAULT_MAX_TOKENS  # the replica rejects the request; size it like a default one
-        samples = max(_count(request.sampling.get("n")), _count(request.sampling.get("best_of")))
-        return request.num_prompt_tokens_hint() + samples * (max_tokens if output else 1)
-    except (AttributeError, TypeError):  # malformed messages/sampling: the replica reports the error
+        max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
+        samples = max(_count(sampling.get("n")), _count(sampling.get("best_of")))
+    except (AttributeError, TypeError):
         return None
+    if not isinstance(max_tokens, int) or max_tokens < 1:
+        max_tokens = DEFAULT_MAX_TOKENS  # the replica rejects the request; size it like a default one
+    return samples * (max_tokens if output else 1)
 
 
 def _count(value: Any) -> int:
@@ -477,8 +489,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         sample's first token, not its max_tokens."""
         if self.counts_output:
             return 0
-        whole, first = request_tokens(pending_request), request_tokens(pending_request, output=False)
-        return whole - first if whole is not None and first is not None else 0
+        whole, first = output_tokens(pending_request), output_tokens(pending_request, output=False)
+        return whole - first if whole is not None else 0
 
     @property
     def counts_output(self) -> bool:

@@ -50,12 +50,18 @@ def routing(replica) -> tuple[int, int]:
     return stats["free_blocks"], stats["total_blocks"]
 
 
-def test_routing_stats_equal_the_walked_numbers_for_a_known_engine_state(replica):
+def add_three_requests(replica):
+    """A, B, C queued on the replica's engine (greedy, EOS ignored); returns the engine."""
     engine = replica.llm.engine
     greedy = dict(temperature=0, ignore_eos=True)
-    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=6, **greedy))  # A: 16 tokens, 4 blocks
-    engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=3, **greedy))  # B: 8 tokens, 2 blocks
-    engine.add_request(list(range(40, 47)), SamplingParams(max_tokens=9, **greedy))  # C: 16 tokens, 4 blocks
+    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=6, **greedy))  # A: 10 + 6 tokens, 4 blocks
+    engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=3, **greedy))  # B: 5 + 3 tokens, 2 blocks
+    engine.add_request(list(range(40, 47)), SamplingParams(max_tokens=9, **greedy))  # C: 7 + 9 tokens, 4 blocks
+    return engine
+
+
+def test_routing_stats_equal_the_walked_numbers_for_a_known_engine_state(replica):
+    engine = add_three_requests(replica)
     # Nothing ran yet: the pool holds one block of 64 and every request is promised all its blocks.
     stats = replica.llm.stats()
     assert (stats.max_blocks, stats.admissible_blocks, stats.promised_blocks) == (64, 64, 10)
@@ -119,11 +125,7 @@ def test_the_report_splits_time_to_first_token_into_waiting_and_the_first_steps(
 def test_startable_blocks_count_the_waiting_queue_ahead(replica):
     """startable = admissible - blocks the waiting requests' tokens take - decode headroom (0 for a
     64-block pool: 1% rounds down); a preempted request's generated tokens count too."""
-    engine = replica.llm.engine
-    greedy = dict(temperature=0, ignore_eos=True)
-    engine.add_request(list(range(10, 20)), SamplingParams(max_tokens=6, **greedy))  # A: 10 tokens, 3 blocks
-    engine.add_request(list(range(30, 35)), SamplingParams(max_tokens=3, **greedy))  # B: 5 tokens, 2 blocks
-    engine.add_request(list(range(40, 47)), SamplingParams(max_tokens=9, **greedy))  # C: 7 tokens, 2 blocks
+    engine = add_three_requests(replica)  # prompts of 3, 2 and 2 blocks
     stats = replica.llm.stats()
     assert (stats.queued_blocks, stats.headroom_blocks, stats.startable_blocks) == (7, 0, 64 - 7)
     assert replica.record_routing_stats()["startable_blocks"] == 57
