@@ -91,7 +91,7 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
     query [Hq, N, D] and key/value [Hkv, N, D]: the chunks' tokens end to end along N, as views
     of the model's tensors (any strides with a contiguous last dim). runs covers the N tokens;
     cu_seq_q [chunks + 1] int32 holds the same boundaries on the device. Query heads h use KV
-    head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given. sdpa=False: flash
+    head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given (contiguous). sdpa=False: flash
     varlen where it can (the run shapes are new, see SdpaShapes), SDPA only where it cannot.
     varlen: the varlen kernel, "flash" or "fa4" (fa4.choose_prefill_attention).
     """
@@ -101,15 +101,14 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
                          "must be [heads, tokens, head_dim] with the same tokens and Hq a multiple of Hkv")
     if sum(r.rows * r.length for r in runs) != tokens:
         raise ValueError(f"runs {runs} cover {sum(r.rows * r.length for r in runs)} tokens, query has {tokens}")
-    if out is None:
-        out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
     if (len(runs) > MAX_SDPA_RUNS or not sdpa) and flash_problem(query.device, query.dtype, head_dim) is None:
         why = "new shapes" if len(runs) <= MAX_SDPA_RUNS else "distinct runs of lengths"
         _log(f"{varlen} varlen over the chunks' own K/V ({len(runs)} {why})")
-        out.copy_(flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
-                                cu_seq_q, max_query_len, max_query_len, scale, kernel=varlen))
-        return out
+        return flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
+                            cu_seq_q, max_query_len, max_query_len, scale, kernel=varlen, out=out)
     _log(f"torch SDPA over the chunks' own K/V, one call per run of equal lengths ({len(runs)} runs)")
+    if out is None:
+        out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
     gqa = heads != key.shape[0]
     for run in runs:
         end = run.start + run.rows * run.length

@@ -15,6 +15,7 @@ keeps them for later starts (switched on here unless the user set FLASH_ATTENTIO
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 
@@ -74,9 +75,27 @@ def choose_prefill_attention(requested: str | None, device: torch.device, dtype:
     return "fa4" if problem is None and head_dim >= AUTO_MIN_HEAD_DIM else "flash"
 
 
-def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale) -> torch.Tensor:
-    """flash_varlen's contract (causal aligned bottom right, GQA) through FlashAttention-4."""
+@functools.cache
+def _forward_into():
+    """FlashAttention-4's forward that writes into a given `out` (what its autograd wrapper calls;
+    the public function allocates its own), or None where this version has no such parameter."""
+    from flash_attn.cute import interface
+
+    forward = getattr(interface, "_flash_attn_fwd", None)
+    return forward if forward is not None and "out" in inspect.signature(forward).parameters else None
+
+
+def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out: torch.Tensor | None = None) -> torch.Tensor:
+    """flash_varlen's contract (causal aligned bottom right, GQA) through FlashAttention-4. out: a
+    contiguous [tokens, Hq, D] tensor the result is written into (no copy where the installed
+    version can write there), returned."""
+    forward = _forward_into() if out is not None else None
+    if forward is not None:
+        forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                softmax_scale=scale, causal=True, out=out)
+        return out
     from flash_attn.cute.interface import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                  max_seqlen_k=max_k, softmax_scale=scale, causal=True)[0]
+    result = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                    max_seqlen_k=max_k, softmax_scale=scale, causal=True)[0]
+    return result if out is None else out.copy_(result)

@@ -47,17 +47,21 @@ def _varlen_api():
     return varlen_attn if {"enable_gqa", "window_size", "scale"} <= params.keys() else None
 
 
-def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel: str = "flash") -> torch.Tensor:
+def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel: str = "flash",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (bottom-right aligned) attention of packed rows; K/V heads may be fewer (GQA).
     A query with no key to attend (its row has fewer keys than queries) comes out zero.
     kernel: "flash" (torch's FlashAttention-2) or "fa4" (FlashAttention-4, fa4.py; every row must
-    have at least as many keys as queries, as the engine's chunks have)."""
+    have at least as many keys as queries, as the engine's chunks have). out: a contiguous
+    [tokens, Hq, D] tensor to write the result into (FlashAttention-4 writes there directly, torch's
+    kernel allocates its own and it is copied), returned."""
     if kernel == "fa4":
-        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out)
     api = _varlen_api()
     if api is not None:
-        return api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
-    # Older torch: the same flash kernel through its aten op, which has taken GQA all along.
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
-                                                    scale=scale)[0]
+        result = api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+    else:  # older torch: the same flash kernel through its aten op, which has taken GQA all along
+        result = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                         scale=scale)[0]
+    return result if out is None else out.copy_(result)
 

@@ -74,14 +74,17 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
 
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
                            max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, varlen: str = "flash", num_keys: int = 0) -> torch.Tensor:
+                           scale: float, varlen: str = "flash", num_keys: int = 0,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
 
     Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
     0 and ending at N), the last of its seq_lens[b] cached tokens; max_query_len bounds every
     row's count. block_tables and seq_lens as for `paged_attention`. varlen: the varlen kernel
     where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention); num_keys: sum(seq_lens)
-    where the caller knows it on the host (sizes the gather exactly; 0: not given).
+    where the caller knows it on the host (sizes the gather exactly; 0: not given). out: a contiguous
+    [N, Hq, D] tensor the result is written into and returned (the flash kernels write there; the
+    other paths copy).
     """
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
@@ -101,7 +104,7 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         if max(counts, default=0) > max_query_len:
             raise KernelError(f"a row has {max(counts)} query tokens, more than max_query_len={max_query_len}")
     if query.shape[0] == 0:
-        return torch.empty_like(query)
+        return torch.empty_like(query) if out is None else out
     choice = kernel_loader.choose(storage.device)
     problem = flash_varlen_problem(storage) if choice.use_custom else choice.reason
     if problem is None:
@@ -110,7 +113,14 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         kernel_loader.log_choice("paged_attention varlen prefill",
                                  kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),
-                                varlen, num_keys)
+                                varlen, num_keys, out=out)
+    result = _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice)
+    return result if out is None else out.copy_(result)
+
+
+def _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice):
+    """paged_attention_varlen where flash varlen cannot run: the torch path, or CuPy's padded one."""
+    batch = block_tables.shape[0]
     if not choice.use_custom:  # the torch path, unpadded: work grows with each row's tokens x its context
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)

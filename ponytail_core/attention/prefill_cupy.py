@@ -84,7 +84,7 @@ def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scal
 
 
 def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale,
-                     varlen: str = "flash", num_keys: int = 0) -> torch.Tensor:
+                     varlen: str = "flash", num_keys: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen (varlen:
     "flash" or "fa4"). The gather buffer holds num_keys rows (sum(seq_lens), where the caller knows
     it), else as many as the tables can address (an upper bound: the host does not wait for the
@@ -93,14 +93,14 @@ def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, sca
     FlashAttention-4 loads whole tiles of keys: past the last row's keys it reads whatever the
     buffer holds there, and a NaN in V makes NaN of a masked score's zero weight. So for "fa4" the
     buffer ends exactly at the last key (beyond a tensor's end its tile loads read zeros): with no
-    num_keys that costs one wait for the lengths."""
+    num_keys that costs one wait for the lengths. out: where the result goes (see flash_varlen)."""
     bs = storage.config.block_size
     cu_k = F.pad(torch.cumsum(seq_lens, 0, dtype=torch.int32), (1, 0))
     capacity = num_keys or (int(cu_k[-1]) if varlen == "fa4" else block_tables.shape[0] * block_tables.shape[1] * bs)
     k, v = gather_packed(storage, layer, block_tables, seq_lens, cu_k, capacity)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale, kernel=varlen)
+    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale, kernel=varlen, out=out)
 
 
 def prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
