@@ -286,8 +286,7 @@ def main() -> int:
                              "side: ponytail (LLM's defaults), ponytail_eager, ponytail_compiled, vllm, and any of "
                              "the three ponytail ones with LLM arguments, e.g. "
                              "'ponytail:max_num_batched_tokens=16384;prefill_delay_factor=0', or with decode "
-                             "kernel launch or prefill split tunables while that peer runs, e.g. "
-                             "'ponytail:decode.decode_warps=8' or 'ponytail:prefill.own_kv_min_tokens=1000000000'")
+                             "kernel launch tunables while that peer runs, e.g. 'ponytail:decode.decode_warps=8'")
     parser.add_argument("--kv-memory", default=None, help="Ponytail's KV budget (default: what is free)")
     parser.add_argument("--check-tokens", type=int, default=16, help="greedy tokens compared before timing")
     parser.add_argument("--capacity", metavar="BUDGET", help="also measure concurrency in this KV budget")

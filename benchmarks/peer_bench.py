@@ -34,7 +34,6 @@ from ponytail.attention import decode as decode_kernel
 from ponytail.bench.output_check import check_outputs
 from ponytail.runner.compile import can_compile, restore_decoder_layers
 from ponytail.runner.fused_projections import can_fuse, unfuse_projections
-from ponytail.runner import prefill_parts
 from ponytail.runner.gemm_layout import row_major_weights
 
 import peer_workloads
@@ -44,23 +43,15 @@ from vllm_peer import read_results, run_vllm
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
 # LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
 _SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
-# A peer argument named <prefix><key> overrides that table's entry while the peer runs: decode.<key>
-# the decode kernel's launch (ponytail.attention.decode.LAUNCH), prefill.<key> how a step's prefill
-# chunks split into calls (ponytail.runner.prefill_parts.TUNABLES).
-TUNABLE_TABLES = {"decode.": ("ponytail.attention.decode.LAUNCH", decode_kernel.LAUNCH),
-                  "prefill.": ("ponytail.runner.prefill_parts.TUNABLES", prefill_parts.TUNABLES)}
-
-
-def _tunable_table(name: str):
-    """(prefix, (table name, table)) for a peer argument naming a tunable, else None."""
-    return next(((prefix, table) for prefix, table in TUNABLE_TABLES.items() if name.startswith(prefix)), None)
+# A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs.
+LAUNCH_PREFIX = "decode."
 
 
 def parse_peer(peer: str) -> tuple[str, dict]:
     """'ponytail:max_num_batched_tokens=16384;decode.decode_warps=8' -> ('ponytail', {kwargs});
-    values are YAML scalars; decode.<key> and prefill.<key> name a tunable (an int) of TUNABLE_TABLES,
-    the rest LLM arguments. A plain name comes back with no kwargs. Raises ValueError, naming the
-    argument, for a kwarg LLM does not take, one the benchmark sets itself, or an unknown tunable."""
+    values are YAML scalars; decode.<key> names a decode-kernel launch tunable (an int), the rest LLM
+    arguments. A plain name comes back with no kwargs. Raises ValueError, naming the argument, for a
+    kwarg LLM does not take, one the benchmark sets itself, or an unknown launch key."""
     base, sep, rest = peer.partition(":")
     if not sep:
         return peer, {}
@@ -70,36 +61,32 @@ def parse_peer(peer: str) -> tuple[str, dict]:
     kwargs = {}
     for item in filter(None, rest.split(";")):
         name, eq, value = (part.strip() for part in item.partition("="))
-        if eq and (found := _tunable_table(name)):
-            prefix, (table_name, table) = found
-            key, parsed = name[len(prefix):], yaml.safe_load(value)
-            if key not in table or type(parsed) is not int:
-                raise ValueError(f"--peers {peer!r}: {name}={value!r}: expected {prefix}<key>=<int> with a key of "
-                                 f"{table_name} ({', '.join(table)})")
+        if eq and name.startswith(LAUNCH_PREFIX):
+            key, parsed = name[len(LAUNCH_PREFIX):], yaml.safe_load(value)
+            if key not in decode_kernel.LAUNCH or type(parsed) is not int:
+                raise ValueError(f"--peers {peer!r}: {name}={value!r}: expected decode.<key>=<int> with a key of "
+                                 f"ponytail.attention.decode.LAUNCH ({', '.join(decode_kernel.LAUNCH)})")
             kwargs[name] = parsed
             continue
         if not eq or name not in allowed:
             raise ValueError(f"--peers {peer!r}: expected name=value with a name LLM takes; got {item!r} "
-                             f"(allowed: {', '.join(sorted(allowed))}, or decode.<key> / prefill.<key> tunables)")
+                             f"(allowed: {', '.join(sorted(allowed))}, or decode.<launch key>)")
         kwargs[name] = yaml.safe_load(value)
     return base, kwargs
 
 
 @contextlib.contextmanager
 def peer_launch(peer: str):
-    """The peer's decode.<key> and prefill.<key> overrides in their tables while it runs (its engine
-    plans and captures its launches with them), the previous values after."""
-    saved = {prefix: dict(table) for prefix, (_, table) in TUNABLE_TABLES.items()}
+    """The peer's decode.<key> overrides in ponytail.attention.decode.LAUNCH while it runs (its
+    engine plans and captures its decode launches with them), the previous values after."""
+    overrides = {k[len(LAUNCH_PREFIX):]: v for k, v in parse_peer(peer)[1].items() if k.startswith(LAUNCH_PREFIX)}
+    saved = dict(decode_kernel.LAUNCH)
+    decode_kernel.LAUNCH.update(overrides)
     try:
-        for name, value in parse_peer(peer)[1].items():
-            if found := _tunable_table(name):
-                prefix, (_, table) = found
-                table[name[len(prefix):]] = value
         yield
     finally:
-        for prefix, (_, table) in TUNABLE_TABLES.items():
-            table.clear()
-            table.update(saved[prefix])
+        decode_kernel.LAUNCH.clear()
+        decode_kernel.LAUNCH.update(saved)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +106,7 @@ def llm_args_for(peer: str, model) -> dict:
     leave it eager and unfused; "ponytail" gets what `LLM(dir)` chooses when it loads the model
     itself (compile_model, fuse_projections and column_major_weights on CUDA), then the peer's own arguments."""
     base, own = parse_peer(peer)
-    own = {k: v for k, v in own.items() if not _tunable_table(k)}  # see peer_launch
+    own = {k: v for k, v in own.items() if not k.startswith(LAUNCH_PREFIX)}  # see peer_launch
     compiled = VARIANTS[base]
     on_cuda = next(model.parameters()).device.type == "cuda"
     if compiled is None:

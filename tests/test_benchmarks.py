@@ -285,21 +285,6 @@ def test_a_peers_decode_launch_overrides_hold_while_it_runs_and_not_after():
     assert launch == before
 
 
-def test_a_peers_prefill_split_overrides_hold_while_it_runs():
-    peer_bench = benchmark_module("peer_bench")
-    tunables = peer_bench.prefill_parts.TUNABLES
-    before = dict(tunables)
-    peer = "ponytail:prefill.own_kv_min_tokens=1000000000;decode.decode_warps=8"
-    with peer_bench.peer_launch(peer):
-        assert tunables == {**before, "own_kv_min_tokens": 1000000000}
-        assert peer_bench.decode_kernel.LAUNCH["decode_warps"] == 8
-    assert tunables == before
-    assert "prefill.own_kv_min_tokens" not in peer_bench.llm_args_for(peer, torch.nn.Linear(1, 1))
-    with pytest.raises(ValueError, match=r"prefill.tile='128': expected prefill.<key>=<int> with a key of "
-                                         r"ponytail.runner.prefill_parts.TUNABLES \(own_kv_min_tokens, query_tile, "):
-        peer_bench.parse_peer("ponytail:prefill.tile=128")
-
-
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
     for args, message in ((["--routers", "kv_blocks,random"],
                            "--routers: unknown ['random']; allowed: kv_blocks, prefix, power_of_two, "

@@ -258,6 +258,13 @@ def test_varlen_packed_rows_match_the_reference(dtype, group, varlen, keys_known
     err = rel(out, ref)
     print(f"\n  varlen {dtype} G={group}: rel={err:.2e}", end="")
     assert out.shape == packed.shape and err < TOLERANCE[dtype]
+    # out=: the rows land in the given tensor (a step's rows after its decode rows), the same values.
+    step = torch.full((3 + packed.shape[0], *packed.shape[1:]), float("nan"), dtype=dtype, device="cuda")
+    with kernels("cupy"):
+        into = paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale, varlen=varlen,
+                                      num_keys=sum(lengths) if keys_known else 0, out=step[3:])
+    assert into.data_ptr() == step[3:].data_ptr() and torch.equal(step[3:], out)
+    assert torch.isnan(step[:3]).all()
     assert any(f"varlen prefill: custom kernel (CuPy packed gather + {varlen} varlen)" in r.getMessage()
                for r in caplog.records)
 

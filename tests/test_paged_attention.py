@@ -225,6 +225,11 @@ def test_varlen_matches_naive_row_by_row(counts):
     ref, _ = pack(naive_attention(batch, 1, query, query_lens, 0.125), counts)
     assert out.shape == packed.shape
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    step = torch.full((2 + packed.shape[0], *packed.shape[1:]), float("nan"))  # 2 decode rows first
+    with kernels("torch"):
+        into = paged_attention_varlen(batch.storage, 1, packed, cu, width, batch.block_tables, batch.seq_lens, 0.125,
+                                      out=step[2:])
+    assert into.data_ptr() == step[2:].data_ptr() and torch.equal(step[2:], out) and torch.isnan(step[:2]).all()
 
 
 @pytest.mark.parametrize("change, message", [

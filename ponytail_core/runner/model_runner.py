@@ -11,7 +11,6 @@ import torch
 from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
-from .prefill_parts import split_by_context
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from ..errors import KernelError
 from ..kv.paged_cache import PagedKVCache
@@ -72,11 +71,6 @@ class ModelRunner:
         self.hf_cache = PackedStepCache(cache, prefill_varlen)
         self.block_size = cache.config.block_size
         self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
-        # What prefill_parts.split_by_context weighs a step's calls by (None on the CPU: one call a step).
-        self.heads = int(model.config.get_text_config().num_attention_heads)
-        self.sms = None
-        if self.device.type == "cuda":
-            self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).
         self.head = prepacked_head(model) if self.device.type == "cpu" else None
         self.graphs = None
@@ -190,40 +184,22 @@ class ModelRunner:
 
     def _prefill_chunks(self, rows: list[tuple[int, int]], tables: list[list[int]], start: int,
                         sdpa: bool = True) -> PrefillChunks | None:
-        """rows: each chunk's (context tokens, new tokens). sdpa=False: varlen only, shapes not counted.
-        On CUDA the chunks without context may attend apart from those with (prefill_parts.py)."""
+        """rows: each chunk's (context tokens, new tokens). sdpa=False: varlen only, shapes not counted."""
         if not rows:
             return None
-        spans = split_by_context(rows, self.heads, self.sms) if self.sms else []
-        if len(spans) < 2:
-            return self._chunks(rows, tables, start, own_kv=all(context == 0 for context, _ in rows), sdpa=sdpa)
-        parts = []
-        for span in spans:
-            part = self._chunks(rows[span.first : span.last], tables[span.first : span.last], start, span.own_kv, sdpa)
-            parts.append(part)
-            start += part.num_tokens
-        whole = self._chunks(rows, tables, parts[0].start, own_kv=False, sdpa=False, on_host_only=True)
-        whole.parts = parts
-        return whole
-
-    def _chunks(self, rows: list[tuple[int, int]], tables: list[list[int]], start: int, own_kv: bool, sdpa: bool,
-                on_host_only: bool = False) -> PrefillChunks:
-        """One call's chunks. on_host_only: the step's whole list when its parts make the calls: its
-        lengths stay on the host (nothing attends it; the torch path, which would, gets no parts)."""
         cu = [0]
         for _, new in rows:
             cu.append(cu[-1] + new)
-        runs = equal_length_runs([new for _, new in rows]) if own_kv else None
+        runs = equal_length_runs([new for _, new in rows]) if all(context == 0 for context, _ in rows) else None
         seq_lens = [context + new for context, new in rows]
-        tensor = (lambda values, dtype: torch.tensor(values, dtype=dtype)) if on_host_only else self._tensor
-        return PrefillChunks(start=start, cu_seq_q=tensor(cu, torch.int32), max_query_len=max(new for _, new in rows),
-                             block_tables=self._table(tables, tensor), seq_lens=tensor(seq_lens, torch.int32),
-                             num_keys=sum(seq_lens), runs=runs, num_tokens=cu[-1],
-                             sdpa=sdpa and runs is not None and self.sdpa_shapes.recurring(runs))
+        return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
+                             max_query_len=max(new for _, new in rows), block_tables=self._table(tables),
+                             seq_lens=self._tensor(seq_lens, torch.int32), num_keys=sum(seq_lens),
+                             runs=runs, sdpa=sdpa and runs is not None and self.sdpa_shapes.recurring(runs))
 
-    def _table(self, tables: list[list[int]], tensor=None) -> torch.Tensor:
+    def _table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))
-        return (tensor or self._tensor)([t + [0] * (width - len(t)) for t in tables], torch.int32)
+        return self._tensor([t + [0] * (width - len(t)) for t in tables], torch.int32)
 
     def _tensor(self, values, dtype) -> torch.Tensor:
         return to_device(torch.tensor(values, dtype=dtype), self.device)  # one pinned copy per tensor

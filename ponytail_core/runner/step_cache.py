@@ -46,10 +46,6 @@ class PrefillChunks:
     num_keys: int = 0  # sum of seq_lens, known on the host (0: not given)
     runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
     sdpa: bool = True  # runs may go to SDPA: their shapes recur (chunk_attention.SdpaShapes)
-    num_tokens: int = 0  # packed tokens of these chunks
-    # Kernel paths: the chunks split into calls, each a PrefillChunks of its own (prefill_parts.py);
-    # None: one call for them all.
-    parts: list[PrefillChunks] | None = None
 
 
 @dataclass(slots=True)
@@ -102,28 +98,22 @@ class PackedStepCache(PagedCacheBase):
                                              step.decode.seq_lens, None, scale)[:, :, 0]
         if chunks is None:
             return decode_out.unsqueeze(0)
-        parts = chunks.parts or (chunks,)
-        # One call and no decode rows: the kernel's own output is the answer. Otherwise every call
-        # writes its rows of one tensor (FlashAttention-4 in place, the other kernels copy).
-        out = None
-        if decode_out is not None or len(parts) > 1:
-            out = torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
-        for part in parts:
-            s = part.start
-            e = s + part.num_tokens if part.num_tokens else q_tok.shape[0]
-            rows = None if out is None else out[s:e]
-            if part.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
-                result = attention_over_new_tokens(query[0, :, s:e], key[0, :, s:e], value[0, :, s:e], part.runs,
-                                                   part.cu_seq_q, part.max_query_len, scale, out=rows,
-                                                   sdpa=part.sdpa, varlen=self.prefill_varlen)
-            else:
-                result = paged_attention_varlen(storage, layer_idx, q_tok[s:e], part.cu_seq_q, part.max_query_len,
-                                                part.block_tables, part.seq_lens, scale, varlen=self.prefill_varlen,
-                                                num_keys=part.num_keys, out=rows)
+        # Without decode rows the kernel's own output is the answer; with them the prefill rows are
+        # written after theirs in one tensor (FlashAttention-4 in place, the other kernels copy).
+        s = chunks.start
+        out = None if decode_out is None else torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
+        rows = None if out is None else out[s:]
+        if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
+            result = attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
+                                               chunks.cu_seq_q, chunks.max_query_len, scale, out=rows,
+                                               sdpa=chunks.sdpa, varlen=self.prefill_varlen)
+        else:
+            result = paged_attention_varlen(storage, layer_idx, q_tok[s:], chunks.cu_seq_q, chunks.max_query_len,
+                                            chunks.block_tables, chunks.seq_lens, scale, varlen=self.prefill_varlen,
+                                            num_keys=chunks.num_keys, out=rows)
         if out is None:
             return result.unsqueeze(0)
-        if decode_out is not None:
-            out[: chunks.start] = decode_out
+        out[:s] = decode_out
         return out.unsqueeze(0)  # [1, N, Hq, D]
 
     def _torch_plan(self, step: PackedStep) -> TorchAttentionPlan | None:
