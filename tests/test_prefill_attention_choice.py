@@ -1,4 +1,5 @@
-"""prefill_attention: which varlen kernel attends prompt chunks, and the errors for what cannot run."""
+"""prefill_attention: which varlen kernel attends prompt chunks, the errors for what cannot run, and how
+FlashAttention-4 writes into a given output (against a stand-in module: the real one needs a GPU)."""
 
 import pytest
 import torch
@@ -51,3 +52,69 @@ def test_app_args_take_only_the_kernels_there_are():
     with pytest.raises(ValueError, match="prefill_attention") as caught:
         AppArgs(prefill_attention="fa3")
     assert "Input should be 'flash' or 'fa4'" in str(caught.value) and "'fa3'" in str(caught.value)
+
+
+
+@pytest.fixture
+def fake_fa4(monkeypatch):
+    """install(forward): a stand-in flash_attn.cute.interface whose public varlen function returns
+    q * scale and whose private forward is `forward` (None: absent); returns (fa4 module, the calls
+    made, in order). fa4's cached lookup of that forward is cleared before and after."""
+    import functools
+    import sys
+    import types
+
+    from ponytail.attention import fa4
+
+    def install(forward):
+        calls = []
+
+        def varlen_func(q, k, v, **kwargs):
+            calls.append("public")
+            return q * kwargs["softmax_scale"], None
+
+        interface = types.ModuleType("flash_attn.cute.interface")
+        interface.flash_attn_varlen_func = varlen_func
+        if forward is not None:
+            @functools.wraps(forward)  # its signature is what fa4 inspects
+            def recorded(*args, **kwargs):
+                calls.append("forward")
+                return forward(*args, **kwargs)
+
+            interface._flash_attn_fwd = recorded
+        cute = types.ModuleType("flash_attn.cute")
+        cute.interface = interface
+        package = types.ModuleType("flash_attn")
+        package.cute = cute
+        for name, module in (("flash_attn", package), ("flash_attn.cute", cute),
+                             ("flash_attn.cute.interface", interface)):
+            monkeypatch.setitem(sys.modules, name, module)
+        fa4._forward_into.cache_clear()
+        return fa4, calls
+
+    yield install
+    fa4._forward_into.cache_clear()
+
+
+def test_fa4_writes_into_out_through_its_forward_where_that_takes_out(fake_fa4):
+    def forward(q, k, v, *, softmax_scale, out=None, **kwargs):
+        out.copy_(q * softmax_scale)
+        return out, None, None, None, None
+
+    fa4, calls = fake_fa4(forward)
+    q = torch.randn(5, 2, 8)
+    step = torch.full((7, 2, 8), float("nan"))
+    got = fa4.fa4_varlen(q, q, q, None, None, 5, 5, 0.5, out=step[2:])
+    assert got.data_ptr() == step[2:].data_ptr() and torch.equal(step[2:], q * 0.5) and step[:2].isnan().all()
+    assert fa4.fa4_varlen(q, q, q, None, None, 5, 5, 0.5).equal(q * 0.5)  # no out: the public function
+    assert calls == ["forward", "public"]
+
+
+@pytest.mark.parametrize("forward", [None, lambda q, k, v, **kwargs: None], ids=["absent", "without out"])
+def test_fa4_without_such_a_forward_copies_the_public_result_into_out(fake_fa4, forward):
+    fa4, calls = fake_fa4(forward)
+    q = torch.randn(5, 2, 8)
+    step = torch.zeros(6, 2, 8)
+    got = fa4.fa4_varlen(q, q, q, None, None, 5, 5, 2.0, out=step[1:])
+    assert got.data_ptr() == step[1:].data_ptr() and torch.equal(step[1:], q * 2) and not step[0].any()
+    assert calls == ["public"]
