@@ -109,9 +109,10 @@ class AppArgs(BaseModel):
                                         "with router prefix (it reads each prompt before placing it) or "
                                         "ingress_replicas > 1")
     prefill_delay_factor: float | None = Field(
-        None, description="while requests decode, new prompts wait until the oldest has waited this many times the "
-                          "last prefill step (at most 0.1 s) and then share one step: steps with a prefill run "
-                          "without CUDA graphs; unset: 1.0 with CUDA graphs (GPUs), 0 on CPUs")
+        None, description="while requests decode, new prompts wait until the oldest has waited this many times what "
+                          "a step with a prompt costs beyond a decode step's CUDA graph (measured at start-up; at "
+                          "most 0.1 s) and then share one step: steps with a prefill run without CUDA graphs; "
+                          "unset: 1.0 with CUDA graphs (GPUs), 0 on CPUs")
     generation_config: Literal["auto", "ponytail"] = Field(
         "auto", description="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
                             "unset get the model's generation_config.json values (vLLM's default); ponytail: "

@@ -62,9 +62,11 @@ class LLM:
     back with the rest of the spare memory after kv_release_after_s without requests. Off (the
     default offline): the pool holds what running requests need and caches prefixes in what is left.
     prefill_delay_factor: while requests decode, new prompts wait until the oldest has waited this
-    many times the last prefill step (at most 0.1 s), so prompts arriving close together share one
-    step without CUDA graphs and the decode steps between replay them (engine/scheduler.py); None:
-    1.0 where CUDA graphs are on, 0 (no wait) elsewhere.
+    many times what a step with a prompt costs beyond a decode step's graph replay (measured at
+    start-up, runner/step_overhead.py; without graphs, the last prefill step's duration; at most
+    0.1 s), so prompts arriving close together share one step without CUDA graphs and the decode
+    steps between replay them (engine/scheduler.py); None: 1.0 where CUDA graphs are on, 0 (no
+    wait) elsewhere.
     fuse_projections: one GEMM for q/k/v and one for gate/up in every decoder layer (their weights
     become views of one concatenated weight: no extra memory; runner/fused_projections.py); None:
     on for CUDA devices when LLM loads the model itself and its layers have such projections (2-3%

@@ -2,6 +2,7 @@
 without CUDA graphs; in bf16 (the flash varlen prefill) the first token of each prompt agrees with
 plain transformers wherever the top two logits are not a near tie."""
 
+import math
 import random
 
 import pytest
@@ -47,6 +48,20 @@ def test_engine_greedy_equals_plain_generate_on_gpu(monkeypatch, cuda_graphs):
     # The pool grew while the graphs (captured against the first chunk) were replayed.
     assert llm.engine.cache.peak_allocated_bytes > chunks_before * llm.engine.cache.storage.chunk_bytes
 
+
+
+def test_llm_measures_the_step_overhead_where_graphs_replay_and_writes_nothing():
+    """LLM() times a step with a prompt chunk against the decode graph's replay (runner/step_overhead.py)
+    for the scheduler's prefill delay: at 1 row and at the largest graph; it counts no replays and
+    leaves the pool as it was (the greedy test above checks the outputs after it)."""
+    llm = ponytail.LLM(small_model(), kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, cuda_graphs=True)
+    overhead = llm.engine.runner.step_overhead
+    assert llm.engine.scheduler.step_overhead is overhead
+    assert overhead.rows == (1, 8) and all(math.isfinite(s) and s >= 0 for s in overhead.seconds)
+    assert llm.engine.runner.graphs.replays == 0
+    assert llm.stats().used_blocks == 0 and llm.engine.cache.invariants() == []
+    eager = ponytail.LLM(small_model(), kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, cuda_graphs=False)
+    assert eager.engine.runner.step_overhead is None and eager.engine.scheduler.step_overhead is None
 
 @pytest.mark.parametrize("prefill_attention", ["flash", "fa4"])
 def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_attention):

@@ -1,12 +1,15 @@
 """prefill_delay_factor (engine/scheduler.py): while requests decode, new prompts wait until the
-oldest has waited factor x the last prefill step, so prompts arriving close together share one
-step without CUDA graphs. The scheduler's clock is injected: no test here sleeps or times anything."""
+oldest has waited factor x what a prefill step costs beyond the decode step (the step overhead
+measured at start-up where CUDA graphs run, else the last prefill step), so prompts arriving close
+together share one step without CUDA graphs. The scheduler's clock is injected: no test here
+sleeps or times anything."""
 
 import pytest
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
 from ponytail.engine.scheduler import MAX_PREFILL_DELAY_S
+from ponytail.runner.step_overhead import StepOverhead
 
 
 class Clock:
@@ -149,3 +152,24 @@ def test_prompts_that_take_every_free_seat_do_not_wait(tiny_model):
     assert step_at(engine, clock, 0.012) == [("a", 1)]  # a seat is still free after b: b waits
     add(engine, clock, "c", prompt_len=5)  # the last free seat
     assert step_at(engine, clock, 0.013) == [("a", 1), ("b", 5), ("c", 5)]
+
+
+def test_with_a_measured_step_overhead_a_prompt_waits_for_that_at_the_steps_decode_rows(tiny_model):
+    engine, clock = engine_with_clock(tiny_model, 2.0)
+    assert engine.scheduler.step_overhead is None  # no CUDA graphs on the CPU: nothing measured
+    # What a step with a prompt costs beyond the replay: 3 ms at 1 decode row, 1 ms at 3.
+    engine.scheduler.step_overhead = StepOverhead(rows=(1, 3), seconds=(0.003, 0.001))
+    add(engine, clock, "a")
+    assert step_at(engine, clock, 0.0) == [("a", 20)]
+    assert step_at(engine, clock, 0.050) == [("a", 1)]  # a 50 ms prefill step: the old rule would hold b 100 ms
+    clock.now = 0.051
+    add(engine, clock, "b", prompt_len=30)
+    assert step_at(engine, clock, 0.056) == [("a", 1)]  # 5 ms of 2 x 3 ms at one decode row: held
+    assert step_at(engine, clock, 0.057) == [("a", 1), ("b", 30)]  # 6 ms
+    clock.now = 0.057
+    add(engine, clock, "c", prompt_len=25)
+    clock.now = 0.058
+    add(engine, clock, "d", prompt_len=25)
+    # Two rows decode now: 2 ms of overhead, a 4 ms wait.
+    assert step_at(engine, clock, 0.060) == [("a", 1), ("b", 1)]  # c has waited 3 ms
+    assert step_at(engine, clock, 0.062) == [("a", 1), ("b", 1), ("c", 25), ("d", 25)]  # 5 ms: c and d share a step

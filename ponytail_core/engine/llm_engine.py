@@ -84,10 +84,10 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = cache
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
-                                   prefill_delay_factor=prefill_delay_factor)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model, **runner_options)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
+                                   prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:

@@ -15,10 +15,12 @@ engine forks the others when its prefill ends and hands them over with `adopt`.
 prefill_delay_factor (vLLM v0's scheduler_delay_factor): a step that carries a prefill runs its
 forward pass without CUDA graphs, several times as long as a decode step for a small model. Under
 streaming traffic a prompt arrives every step or two, so without a delay nearly every step is one
-of those. While requests decode, new prompts wait until the oldest has waited factor x the last
-prefill step's duration (at most MAX_PREFILL_DELAY_S): prompts that arrive close together share
-one such step, and the decode steps between them replay graphs. Prompts that already fill a step
-(its token budget or its free seats) never wait: no later prompt could join them.
+of those. While requests decode, new prompts wait until the oldest has waited factor x what a step
+with a prompt costs beyond the graph replay it displaces, at the step's decode rows (measured at
+start-up, runner/step_overhead.py: all that sharing a step saves), or x the last prefill step's
+duration where that was not measured; at most MAX_PREFILL_DELAY_S. Prompts that arrive close
+together share one such step, and the decode steps between them replay graphs. Prompts that
+already fill a step (its token budget or its free seats) never wait: no later prompt could join.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 from ..errors import ConfigError, ContextLengthError
 from ..kv.paged_cache import PagedKVCache
 from ..runner.inputs import ScheduledChunk
+from ..runner.step_overhead import StepOverhead
 from .chunk_cost import chunk_cost, chunk_tokens
 from .request import Request, RequestStatus
 from .stats import BlockPromises
@@ -52,9 +55,11 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0, clock: Callable[[], float] = time.monotonic):
+                 prefill_delay_factor: float = 0.0, step_overhead: StepOverhead | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.cache = cache
         self.prefill_delay_factor = prefill_delay_factor
+        self.step_overhead = step_overhead  # what sharing a prefill step saves; None: weigh the last one's duration
         self.clock = clock  # the clock of Request.metrics.arrival_time
         self.prefill_step_s = 0.0  # how long the last step with a prefill took (schedule call to the next)
         self._prefill_scheduled_at: float | None = None
@@ -158,13 +163,15 @@ class Scheduler:
 
     def _hold_prompts(self, chunks: list[ScheduledChunk], prefilling: bool, now: float, budget: int) -> bool:
         """Whether waiting prompts sit out this step: it is all decode rows (a graph step), the
-        oldest prompt has waited less than prefill_delay_factor x the last prefill step, and the
-        prompts waiting now would not fill the step anyway (the wait only lets later prompts join
-        the step; when those waiting already take its whole token budget or every free seat, it
-        adds latency and nothing else)."""
+        oldest prompt has waited less than prefill_delay_factor x what a prefill step would cost
+        beyond this one (the step overhead at its rows, else the last prefill step's duration), and
+        the prompts waiting now would not fill the step anyway (the wait only lets later prompts
+        join the step; when those waiting already take its whole token budget or every free seat,
+        it adds latency and nothing else)."""
         if not (self.prefill_delay_factor and self.waiting and chunks) or prefilling:
             return False
-        delay = min(self.prefill_delay_factor * self.prefill_step_s, MAX_PREFILL_DELAY_S)
+        cost = self.step_overhead.at(len(chunks)) if self.step_overhead is not None else self.prefill_step_s
+        delay = min(self.prefill_delay_factor * cost, MAX_PREFILL_DELAY_S)
         if now - self.waiting[0].metrics.arrival_time >= delay:
             return False
         return not self._waiting_fill_step(budget)

@@ -12,6 +12,7 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
+from .step_overhead import PROMPT_TOKENS, StepOverhead, measure_step_overhead
 from ..errors import KernelError
 from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
@@ -74,6 +75,7 @@ class ModelRunner:
         # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).
         self.head = prepacked_head(model) if self.device.type == "cpu" else None
         self.graphs = None
+        self.step_overhead: StepOverhead | None = None  # with graphs: what the scheduler's prefill delay weighs
         if self.device.type == "cuda":
             self.warm_up()
         if cuda_graphs:
@@ -82,6 +84,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.graphs = DecodeGraphs(model, self.hf_cache, max_num_seqs, cdiv(max_model_len, self.block_size))
                 self.graphs.capture_all()
+                self.step_overhead = self._measure_step_overhead()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk], sampled: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,6 +166,31 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         logger.info("warm-up over dummy prompt chunks (prompt attention %r) in %.1f s",
                     self.hf_cache.prefill_varlen, time.perf_counter() - started)
+
+    def _measure_step_overhead(self) -> StepOverhead:
+        """An eager step of n dummy decode rows and a PROMPT_TOKENS chunk against the replay of the
+        n rows, at 1 row and at the largest graph (step_overhead.py). Every slot is -1: nothing is
+        written to the pool; the rows read block 0."""
+        def eager(n: int) -> None:
+            self.hf_cache.step = PackedStep(
+                slot_mapping=self._tensor([-1] * (n + PROMPT_TOKENS), torch.int64),
+                decode=DecodeRows(block_tables=self._table([[0]] * n), seq_lens=self._tensor([1] * n, torch.int32)),
+                prefill=self._prefill_chunks([(0, PROMPT_TOKENS)], [[0] * cdiv(PROMPT_TOKENS, self.block_size)],
+                                             start=n, sdpa=False))
+            try:
+                self._forward(self._tensor([0] * (n + PROMPT_TOKENS), torch.int64),
+                              [0] * n + list(range(PROMPT_TOKENS)), list(range(n)) + [n + PROMPT_TOKENS - 1])
+            finally:
+                self.hf_cache.step = None
+
+        def replay(n: int) -> None:
+            self.graphs.run([0] * n, [0] * n, [-1] * n, [[0]] * n, [1] * n)
+
+        overhead = measure_step_overhead(eager, replay, rows=(1, self.graphs.max_rows),
+                                         sync=lambda: torch.cuda.synchronize(self.device))
+        self.graphs.replays = 0  # the count is the requests' replays
+        logger.info("a step with a prompt chunk costs %s more than a decode step's graph replay", overhead.describe())
+        return overhead
 
     def _forward(self, ids: torch.Tensor, positions: list[int], sample_at: list[int]) -> torch.Tensor:
         with self.head.active() if self.head is not None else contextlib.nullcontext():
