@@ -19,7 +19,9 @@ KV-block router estimates ~3 characters per token).
 --gaps sets the seconds between bursts, one load per value (new prompts for each, the same for
 both routers), all on the same deployment: short gaps offer more than two replicas can serve
 (both routers then only work through a backlog), longer ones less, where placement decides.
-Rounds repeat everything with the routers' order reversed.
+Rounds repeat everything with the routers' order reversed. --loads repeats each gap's load with
+new prompts (or sessions) on the same deployment: an app's start costs ~40 s on an H200 and a load
+12-40 s, so more loads are the cheaper way to more requests per router.
 
 --workload chat runs multi-turn chat sessions instead (chat_workload.py: shared system prompts,
 each turn extending the previous prompt and answer, through the chat API), with each replica's
@@ -303,6 +305,9 @@ def main() -> int:
                         f"from {', '.join(ROUTER_ARGS)}, prefix@W (the prefix router at prefix_weight W), each "
                         "optionally with app args after a colon (prefix:prefill_delay_factor=0;compile_model=true) "
                         "(default: kv_blocks,power_of_two; --workload chat: prefix,kv_blocks,power_of_two)")
+    parser.add_argument("--loads", type=int, default=1,
+                        help="loads per gap, each with its own prompts or sessions, one after another on the same "
+                        "deployment; pooled with the gap's other loads")
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of every router, the order reversed every round; results pooled")
     parser.add_argument("--workload", choices=("mix", "chat"), default="mix",
@@ -319,6 +324,8 @@ def main() -> int:
                         help="2: both replicas on one GPU (num_gpus 0.5 each, each with the KV budget below)")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.loads < 1:
+        parser.error(f"--loads {args.loads}: expected at least 1 load per gap")
     if args.long_per_burst is not None and args.long_per_burst < 0:
         parser.error(f"--long-per-burst {args.long_per_burst}: expected 0 or more")
     if args.sessions is not None and args.sessions < 1:
@@ -369,8 +376,10 @@ def main() -> int:
           f"{budget['tokens']} tokens at {budget['bytes_per_token']} bytes/token ({budget['dtype']}): {what}")
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    gaps = list(dict.fromkeys(gaps))
+    schedule = [gap for gap in gaps for _ in range(args.loads)]  # each load's gap, in order
     if chat:
-        loads = [(gap, chat_sessions(shape, seed=index)) for index, gap in enumerate(gaps)]
+        loads = [(gap, chat_sessions(shape, seed=index)) for index, gap in enumerate(schedule)]
         for gap, conversations in loads:
             print(f"load: {len(conversations)} chat sessions {gap} s apart, {shape.turns} turns each "
                   f"({shape.think_s} s between a session's turns), {shape.system_prompts} system prompts of "
@@ -378,7 +387,7 @@ def main() -> int:
     else:
         loads = [(gap, workload(tokenizer, sizes["n"], sizes["long_share"], sizes["long_len"], sizes["short_len"],
                                 seed=index, burst=sizes["burst"], long_per_burst=args.long_per_burst))
-                 for index, gap in enumerate(gaps)]  # other prompts per load: no prefix hits
+                 for index, gap in enumerate(schedule)]  # other prompts per load: no prefix hits
         for gap, prompts in loads:
             over = over_capacity_bursts(prompts, sizes["burst"], sizes["long_len"], args.long_per_replica)
             print(f"load gap {gap} s: {len(prompts)} prompts in bursts of {sizes['burst']}, "
@@ -403,7 +412,7 @@ def main() -> int:
                           route_prefix=f"/{path}")
                 base = f"http://127.0.0.1:{port}/{path}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
-                for gap, prompts in loads:
+                for load_index, (gap, prompts) in enumerate(loads):
                     before = replica_counters(name)
                     if chat:
                         result = run_chat(base, MODEL, prompts, dataclasses.replace(shape, session_gap_s=gap))
@@ -414,7 +423,7 @@ def main() -> int:
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
                     queries, hits = sum(d[1] for d in deltas), sum(d[5] for d in deltas)
                     taken, first_tokens = sum(d[0] for d in deltas), sum(d[8] for d in deltas)
-                    result.update(round=round_index, gap=gap, replica_requests=[d[0] for d in deltas],
+                    result.update(round=round_index, load=load_index, gap=gap, replica_requests=[d[0] for d in deltas],
                                   replica_prompt_tokens=[d[1] for d in deltas],
                                   replica_prefix_hits=[d[5] for d in deltas],
                                   prefix_hit_rate=hits / queries if queries else 0.0,
@@ -449,7 +458,7 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
     for gap in gaps:
         for router, router_runs in runs.items():
             for r in (r for r in router_runs if r["gap"] == gap):
-                print(f"{gap:4.1f} {r['round']:5d} {router:14s} {r['tokens_per_s']:8.1f} "
+                print(f"{gap:4.1f} {r['round']:3d}.{r['load']:<1d} {router:14s} {r['tokens_per_s']:8.1f} "
                       f"{r['ttft_p50'] or float('nan'):9.3f} {r['ttft_p99'] or float('nan'):8.3f} "
                       f"{r['prefix_hit_rate']:6.1%} {r['failed']:7d} "
                       f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
@@ -494,7 +503,7 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                   f"p99 TTFT {abs(p99):.0f}% {'lower' if p99 >= 0 else 'higher'}{spread}")
             changes = mean_ttft_changes(runs.get(router, []), runs.get("power_of_two", []), gap)
             if len(changes) > 1:  # how far single rounds stray from the pooled figure
-                print("    mean TTFT against power_of_two's same round, round by round: "
+                print("    mean TTFT against power_of_two's same round and load, one by one: "
                       + ", ".join(f"{c:+.0%}" for c in changes))
 
 
@@ -503,10 +512,12 @@ def pooled_ttfts(router_runs: list[dict], gap: float) -> list[float]:
 
 
 def mean_ttft_changes(router_runs: list[dict], baseline_runs: list[dict], gap: float) -> list[float]:
-    """Per round at this gap: the router's mean TTFT over the baseline's in the same round, minus 1."""
-    base = {r["round"]: statistics.fmean(r["ttfts"]) for r in baseline_runs if r["gap"] == gap and r["ttfts"]}
-    return [statistics.fmean(r["ttfts"]) / base[r["round"]] - 1
-            for r in router_runs if r["gap"] == gap and r["ttfts"] and r["round"] in base]
+    """Per round and load at this gap: the router's mean TTFT over the baseline's on the same load
+    in the same round, minus 1."""
+    base = {(r["round"], r["load"]): statistics.fmean(r["ttfts"])
+            for r in baseline_runs if r["gap"] == gap and r["ttfts"]}
+    return [statistics.fmean(r["ttfts"]) / base[r["round"], r["load"]] - 1
+            for r in router_runs if r["gap"] == gap and r["ttfts"] and (r["round"], r["load"]) in base]
 
 
 if __name__ == "__main__":

@@ -150,14 +150,17 @@ def test_profile_engine_small_accounts_for_the_step(tmp_path):
 @pytest.mark.slow
 def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
     out = tmp_path / "router.json"
-    run_script("bench_router.py", "--small", "--long-per-burst", "1", "--json", str(out))  # exit 1: a failure
+    run_script("bench_router.py", "--small", "--long-per-burst", "1", "--loads", "2", "--json", str(out))  # exit 1: a failure
     report = json.loads(out.read_text())
     assert set(report["pooled"]) == {"kv_blocks", "power_of_two"}
     for against in (r["p99_vs_power_of_two"] for r in report["pooled"]["kv_blocks"].values()):
         assert against["ratio"] > 0 and 0 < against["interval_90"][0] <= against["interval_90"][1]
-    for runs in report["runs"].values():
-        assert sum(runs[0]["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
-        assert sum(runs[0]["replica_steps"]) > 0 and all(0 < b < 1 for b in runs[0]["replica_busy"] if b)
+    for router, runs in report["runs"].items():
+        assert [(r["round"], r["load"]) for r in runs] == [(0, 0), (0, 1)]  # two loads on one deployment
+        assert report["pooled"][router]["0.5"]["requests"] == 2 * report["sizes"]["n"]
+        for run in runs:
+            assert sum(run["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
+            assert sum(run["replica_steps"]) > 0 and all(0 < b < 1 for b in run["replica_busy"] if b)
 
 
 @pytest.mark.slow
@@ -208,13 +211,15 @@ def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_
     assert [len(p) for p in prompts[:16]] != [len(p) for p in prompts[16:32]]  # places differ per burst
 
 
-def test_bench_router_compares_mean_ttft_round_by_round_against_the_same_rounds_baseline():
+def test_bench_router_compares_mean_ttft_load_by_load_against_the_same_rounds_baseline():
     mean_ttft_changes = benchmark_module("bench_router").mean_ttft_changes
-    base = [{"round": 0, "gap": 0.1, "ttfts": [0.2, 0.4]}, {"round": 1, "gap": 0.1, "ttfts": [0.5]},
-            {"round": 0, "gap": 1.0, "ttfts": [9.0]}]
-    runs = [{"round": 1, "gap": 0.1, "ttfts": [0.25, 0.5]}, {"round": 0, "gap": 0.1, "ttfts": [0.15, 0.15]},
-            {"round": 2, "gap": 0.1, "ttfts": [0.1]}, {"round": 0, "gap": 0.1, "ttfts": []}]
-    assert mean_ttft_changes(runs, base, 0.1) == pytest.approx([-0.25, -0.5])  # round 2 has no baseline
+    base = [{"round": 0, "load": 0, "gap": 0.1, "ttfts": [0.2, 0.4]}, {"round": 1, "load": 0, "gap": 0.1, "ttfts": [0.5]},
+            {"round": 0, "load": 0, "gap": 1.0, "ttfts": [9.0]}, {"round": 0, "load": 1, "gap": 0.1, "ttfts": [0.1]}]
+    runs = [{"round": 1, "load": 0, "gap": 0.1, "ttfts": [0.25, 0.5]},
+            {"round": 0, "load": 0, "gap": 0.1, "ttfts": [0.15, 0.15]},
+            {"round": 2, "load": 0, "gap": 0.1, "ttfts": [0.1]}, {"round": 0, "load": 0, "gap": 0.1, "ttfts": []},
+            {"round": 0, "load": 1, "gap": 0.1, "ttfts": [0.2]}]  # against the same load of round 0
+    assert mean_ttft_changes(runs, base, 0.1) == pytest.approx([-0.25, -0.5, 1.0])  # round 2 has no baseline
     assert mean_ttft_changes(runs, base, 1.0) == [] and mean_ttft_changes(runs, [], 0.1) == []
 
 
