@@ -3,14 +3,14 @@ once at start-up, so the scheduler holds new prompts no longer than sharing a st
 
 prefill_delay_factor holds new prompts while requests decode, so that prompts arriving close
 together share one eager step and the decode steps between them replay graphs. What sharing saves
-is each extra eager step's fixed cost over the replay it displaces: most of a small model's step
-(the host launches every kernel; a 135M model's eager step costs several replays), next to nothing
-for a 7B one (the device runs the same kernels either way and the host keeps ahead of it). Holding
-a prompt longer than that saving adds time to its first token that no sharing pays back (the
+is each extra eager step's fixed cost over the replay it displaces: the host's dispatch of every
+layer's modules and kernels, which a replay skips (on an H200, 32-35 ms for a 135M and for a
+7B-shaped model alike, with compiled layers: docs/benchmarks.md, twenty-first session). Holding a
+prompt longer than that saving adds time to its first token that no sharing pays back (the
 ski-rental bound), so the scheduler holds prompts for factor x this overhead at the step's decode
 rows. The last prefill step's whole duration (vLLM v0's rule, the fallback where nothing was
-measured) also counts the prompts' own compute, which sharing does not save: on a 7B model it held
-every prompt for the 0.1 s cap.
+measured) also counts the prompts' own compute, which sharing does not save: a 7B model's
+prefill steps held every prompt for the 0.1 s cap.
 """
 
 from __future__ import annotations
