@@ -45,8 +45,9 @@ class PrefixAffinityRouter(KVBlockRouter):
     The score's other two terms each run from 0 to 1, so at PREFIX_WEIGHT 2 a request whose
     blocks are nearly all cached on one replica goes there unless that replica is both the fullest
     and the busiest; a shared system prompt cached everywhere weighs the same on each replica and
-    load decides. Stale reports still count as KVBlockRouter says (tier 2, by queue length): the
-    index is a hint, and a wrong one costs a recomputed prefix, never a failed request.
+    load decides. Stale reports still count as KVBlockRouter says (tier 2, by queue length), the
+    index breaking ties of equal queues: it is a hint, and a wrong one costs a recomputed prefix,
+    never a failed request.
 
     Prompts sent as token ids are hashed as they are. Chat messages and text are tokenized here
     with the engine's tokenizer, once per request (loaded when Ray builds the router, `model` kwarg:
@@ -179,6 +180,14 @@ class PrefixAffinityRouter(KVBlockRouter):
         evicts = max(0, need - max(0, free - cached_blocks))
         lost = evicts * index.reuse_share
         return Placement(need=need, affinity=self.prefix_weight * (hits - lost) / total)
+
+    def _stale_affinity(self, replica: RunningReplica, report: Report | None,
+                        pending_request: PendingRequest | None) -> int:
+        """The prompt's leading blocks in the replica's index: with the load reports late (a busy
+        control plane), equal queues still go where the prefix is. The index stays a hint."""
+        prompt = self.prompt_hashes(pending_request, report.block_size if report is not None else
+                                    self.FALLBACK_BLOCK_SIZE)
+        return 0 if prompt is None else self.index(replica).match(prompt[0])
 
     def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
         replica = self._replicas.get(replica_id)

@@ -217,7 +217,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
        (which counts a 4k-token prompt as 250 short ones) and request count weigh equally, as
        llm-d's kv-cache-utilization and queue scorers do; ties to most free blocks;
     2. no report, or one older than STATS_MAX_AGE_S: fewest queued requests first (Ray's queue
-       length cache, or this router's own in-flight count when larger or when the cache is empty);
+       length cache, or this router's own in-flight count when larger or when the cache is empty),
+       ties to _stale_affinity (the prefix router's cached blocks), then at random;
     3. fresh report, too few blocks: smallest deficit first, ties to fewer running+waiting.
 
     Unknown replicas rank above ones that cannot fit the request because a fresh report proves the
@@ -350,7 +351,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             if report is not None:
                 ledger.observe(report)
             if report is None or now - report.time > self.stats_max_age_s:
-                unknown.append(((self._queue_len(replica_id, ledger), random.random()), replica))
+                unknown.append(((self._queue_len(replica_id, ledger),
+                                 -self._stale_affinity(replica, report, pending_request), random.random()), replica))
                 continue
             reported = report.free_blocks if self.counts_output else report.startable_blocks
             free = reported - ledger.unreported_blocks - claimed.get(replica_id, 0)
@@ -478,6 +480,12 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         """The blocks the request takes on a replica with a fresh report, and what its score loses
         (subclasses that know more than the request's size: prefix_router.py)."""
         return Placement(need=blocks_needed(tokens, report.block_size))
+
+    def _stale_affinity(self, replica: RunningReplica, report: Report | None,
+                        pending_request: PendingRequest | None) -> int:
+        """Among replicas whose report is stale or missing (ranked by queue length), what breaks a
+        tie before chance: nothing here; the prompt's cached blocks in prefix_router.py."""
+        return 0
 
     def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
         """Blocks the ledger takes off the replica the request was chosen for."""

@@ -314,6 +314,24 @@ def test_stale_reports_rank_by_queue_length_whatever_the_index_says(clock):
     run(router, body)
 
 
+
+def test_with_every_report_stale_equal_queues_go_where_the_prefix_is(clock):
+    """A busy control plane can deliver reports late: both replicas rank by queue length then, and
+    the index breaks their tie instead of chance (a chat's next turn stays with its prefix)."""
+    router = make_router(clock)
+    a = publish(FakeReplica("a").report(40, T0 - 5), HASHES)  # both 5 s old
+    b = publish(FakeReplica("b").report(40, T0 - 5), [])
+
+    async def body():
+        router.update_replicas([a, b])
+        for _ in range(20):  # never the coin
+            assert await ranking(router, [b, a], prefixed()) == ["a", "b"]
+        assert (await ranking(router, [a, b], request(30, 2)))[0] in ("a", "b")  # no prefix: chance
+        router.replica_queue_len_cache.update(a.replica_id, 1)  # the queue still comes first
+        assert await ranking(router, [a, b], prefixed()) == ["b", "a"]
+
+    run(router, body)
+
 def test_chat_prompts_are_tokenized_once_with_the_engines_template(clock):
     class Template:
         """apply_chat_template's contract: token ids for the messages plus the generation prompt."""
