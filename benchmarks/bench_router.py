@@ -40,7 +40,8 @@ time to first token, failed requests, preemptions, and requests and prompt token
 replica; then each router's rounds pooled per load (total tokens over total time, percentiles
 over every request: one ~10 s round's p99 is a single request), and each router against power of
 two with a bootstrap interval of its p99 ratio (how much the slowest requests alone decide it);
-writes JSON with --json, every request's TTFT included. --model:
+writes JSON with --json, every request's TTFT included, and every request the ingress router held
+for want of room ([replica, blocks, seconds held], from OpenAIIngress.take_router_holds). --model:
 a local checkpoint (random_checkpoint.py builds one for the GPU machine); default: the embedded
 SmolLM2-135M-Instruct.
 """
@@ -222,7 +223,10 @@ def pooled(runs: list[dict]) -> dict:
     engine = [r["engine_ttft_s"] for r in runs if r.get("engine_ttft_s") is not None]
     queue = [r["engine_queue_s"] for r in runs if r.get("engine_queue_s") is not None]
     admit = [r["admit_s"] for r in runs if r.get("admit_s") is not None]
+    waits = [seconds for r in runs for _, _, seconds in (r.get("held") or [])]
     return {"rounds": len(runs), "requests": sum(r["requests"] for r in runs),
+            "held": len(waits), "held_mean_s": statistics.fmean(waits) if waits else None,
+            "held_max_s": max(waits, default=None),
             "engine_ttft_mean": statistics.fmean(engine) if engine else None,
             "engine_queue_mean": statistics.fmean(queue) if queue else None,
             "admit_mean": statistics.fmean(admit) if admit else None,
@@ -238,6 +242,16 @@ def over_capacity_bursts(prompts: list[list[int]], burst: int, long_len: int, lo
     those wait for a long request to finish whatever the router does."""
     counts = [sum(len(p) == long_len for p in prompts[i : i + burst]) for i in range(0, len(prompts), burst)]
     return [c for c in counts if c > 2 * long_per_replica]
+
+
+def router_holds(app_name) -> list[list] | None:
+    """[replica, blocks, seconds] of each request the app's ingress router held for want of room
+    since the last call (OpenAIIngress.take_router_holds); None where the ingress has no such call."""
+    try:
+        held = serve.get_app_handle(app_name).take_router_holds.remote().result(timeout_s=30)
+    except Exception:  # noqa: BLE001 - the API on the engine replicas: no ingress router to ask
+        return None
+    return [[h.replica, h.blocks, round(h.seconds, 4)] for h in held]
 
 
 def replica_counters(app_name) -> dict[str, tuple]:
@@ -413,6 +427,7 @@ def main() -> int:
                 base = f"http://127.0.0.1:{port}/{path}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth
                 for load_index, (gap, prompts) in enumerate(loads):
+                    router_holds(name)  # what the warm-up or the previous load left
                     before = replica_counters(name)
                     if chat:
                         result = run_chat(base, MODEL, prompts, dataclasses.replace(shape, session_gap_s=gap))
@@ -420,10 +435,12 @@ def main() -> int:
                     else:
                         result = run_load(base, prompts, sizes["max_tokens"], sizes["burst"], gap, sizes["long_len"])
                     after = replica_counters(name)
+                    held = router_holds(name)
                     deltas = [[a - b for a, b in zip(after[replica], before[replica])] for replica in sorted(after)]
                     queries, hits = sum(d[1] for d in deltas), sum(d[5] for d in deltas)
                     taken, first_tokens = sum(d[0] for d in deltas), sum(d[8] for d in deltas)
-                    result.update(round=round_index, load=load_index, gap=gap, replica_requests=[d[0] for d in deltas],
+                    result.update(round=round_index, load=load_index, gap=gap, held=held,
+                                  replica_requests=[d[0] for d in deltas],
                                   replica_prompt_tokens=[d[1] for d in deltas],
                                   replica_prefix_hits=[d[5] for d in deltas],
                                   prefix_hit_rate=hits / queries if queries else 0.0,
@@ -464,6 +481,10 @@ def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gap
                       f"{r['preemptions']:8d}  {r['replica_requests']}, {r['replica_prompt_tokens']}")
                 print(f"{'':26s}engine steps {r['replica_steps']}, mean step ms {r['replica_step_ms']}, "
                       f"busy {r['replica_busy']} of the load's time")
+                if r.get("held"):
+                    waits = [seconds for _, _, seconds in r["held"]]
+                    print(f"{'':26s}held in the router: {len(waits)} requests, mean {statistics.fmean(waits):.3f} s, "
+                          f"max {max(waits):.3f} s")
                 if r.get("engine_ttft_s") is not None and r["ttfts"]:
                     print(f"{'':26s}mean TTFT {statistics.fmean(r['ttfts']):.3f} s at the client: replica admission "
                           f"(tokenizing) {r['admit_s']:.3f} s, engine {r['engine_ttft_s']:.3f} s (waiting for a first "

@@ -26,6 +26,7 @@ from .limits import RequestLimits
 from .openai_api import BackendUnavailable, build_app
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo
 from .replica import EngineReplica
+from .router import hold_log
 
 logger = logging.getLogger("ponytail.serve")
 
@@ -95,6 +96,16 @@ class OpenAIIngress:
         """For /metrics: the report of the replica this call reaches (Serve picks one per call)."""
         report = await self.engine_handle.report.remote()
         return {report.replica: report.stats}
+
+    async def take_router_holds(self) -> list:
+        """The requests this ingress's router held for want of room since the last call
+        (deployments.router.HOLDS, HeldRequest each): how long each waited in front of the engines,
+        which Serve's metrics do not show."""
+        holds = hold_log()  # called here: Serve ships this class by value, with copies of module globals
+        held = []
+        while holds:  # the router may run in a thread of its own: popleft and append are atomic
+            held.append(holds.popleft())
+        return held
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
         return await self.engine_handle.tokenize.remote(prompt, messages)

@@ -8,6 +8,7 @@ docstring shows the config to use.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import math
 import random
 import time
@@ -176,6 +177,27 @@ class Reservation:
     entry: tuple[float, int]  # the ledger's (time, blocks) send entry
 
 
+@dataclass(slots=True, frozen=True)
+class HeldRequest:
+    """A request this process's router held for want of room, once a replica was chosen for it."""
+
+    replica: str  # the replica's unique id
+    blocks: int  # what it reserved there
+    seconds: float  # from its first hold to that choice
+
+
+HOLDS: deque[HeldRequest] = deque(maxlen=100_000)
+"""The held requests of every router in this process, oldest first (the ingress hands them out:
+OpenAIIngress.take_router_holds, read by benchmarks/bench_router.py). Reach it through hold_log()."""
+
+
+def hold_log() -> deque[HeldRequest]:
+    """HOLDS of the imported module. Serve ships a router class by value (cloudpickle), and its
+    methods then read copies of this module's globals: a deque appended there is not the one the
+    ingress, importing this module, would read."""
+    return importlib.import_module(__name__).HOLDS
+
+
 @dataclass(slots=True)
 class Claim:
     """The blocks a held request waits for on one replica (the oldest claim counts: class docstring)."""
@@ -297,6 +319,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     """Converts a send to blocks before the replica has ever reported its block size."""
 
     _HELD_SINCE = "ponytail_held_since"  # attribute set on a held request's routing_context
+    _HOLD_LOGGED = "ponytail_hold_logged"  # ... once its hold went into HOLDS
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -473,6 +496,11 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             ledger.observe(report)
         entry = ledger.reserve(now, self._reserved_blocks(pending_request, replica_id, report))
         reservation = self._reservations[id(pending_request)] = Reservation(pending_request, replica_id, entry)
+        context = pending_request.routing_context
+        since = getattr(context, self._HELD_SINCE, None)
+        if since is not None and not getattr(context, self._HOLD_LOGGED, False):  # once, not per rejection
+            setattr(context, self._HOLD_LOGGED, True)
+            hold_log().append(HeldRequest(replica_id.unique_id, entry[1], now - since))
         return reservation
 
     def _placement(self, replica: RunningReplica, report: Report, free: int, tokens: int | None,

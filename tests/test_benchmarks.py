@@ -159,6 +159,8 @@ def test_bench_router_small_runs_both_routers_without_failures(tmp_path):
         assert [(r["round"], r["load"]) for r in runs] == [(0, 0), (0, 1)]  # two loads on one deployment
         assert report["pooled"][router]["0.5"]["requests"] == 2 * report["sizes"]["n"]
         for run in runs:
+            assert isinstance(run["held"], list)  # the ingress router's holds, empty under power of two
+            assert router != "power_of_two" or run["held"] == []
             assert sum(run["replica_requests"]) == report["sizes"]["n"]  # every request reached a replica
             assert sum(run["replica_steps"]) > 0 and all(0 < b < 1 for b in run["replica_busy"] if b)
 
@@ -176,6 +178,20 @@ def test_bench_router_small_chat_compares_three_routers_with_their_prefix_hit_ra
         assert 0 < runs[0]["prefix_hit_rate"] < 1, router
         assert sum(runs[0]["replica_prefix_hits"]) <= sum(runs[0]["replica_prompt_tokens"])
 
+
+
+@pytest.mark.slow
+def test_bench_router_records_how_long_the_ingress_router_held_each_request(tmp_path):
+    """Through a running app: every burst brings 4 long prompts where the two pools hold one each,
+    so some wait in the router; the ingress hands their waits out (OpenAIIngress.take_router_holds,
+    read from the router's own module even though Serve ships the classes by value)."""
+    out = tmp_path / "held.json"
+    run_script("bench_router.py", "--small", "--long-per-burst", "4", "--long-per-replica", "1",
+               "--routers", "kv_blocks", "--json", str(out))
+    report = json.loads(out.read_text())
+    held = report["runs"]["kv_blocks"][0]["held"]
+    assert held and all(isinstance(replica, str) and blocks > 0 and seconds >= 0 for replica, blocks, seconds in held)
+    assert report["pooled"]["kv_blocks"]["0.5"]["held"] == len(held)
 
 def test_chat_sessions_share_system_prompts_and_differ_in_their_turns():
     chat_workload = benchmark_module("chat_workload")

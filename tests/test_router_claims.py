@@ -18,6 +18,7 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
+from deployments.router import HOLDS, HeldRequest  # noqa: E402
 from test_router import T0, FakeClock, FakeReplica, make_router, ranking, request, run  # noqa: E402
 
 
@@ -226,6 +227,29 @@ def test_a_claim_ends_when_the_request_is_sent_after_max_hold_s(clock):
 
     run(router, body)
 
+
+
+def test_each_held_request_is_logged_once_with_its_wait_and_requests_never_held_are_not(clock):
+    """router.HOLDS (what OpenAIIngress.take_router_holds hands out): replica, blocks reserved and
+    seconds from the first hold to the choice, one entry per held request."""
+    HOLDS.clear()
+    router = make_router(clock, max_hold_s=2.0)
+    a, b = FakeReplica("a").report(5, T0), FakeReplica("b").report(2, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        assert await router._choose_replica_for_request(short()) is a  # room at once: not held
+        held = asyncio.ensure_future(router._choose_replica_for_request(long()))
+        await asyncio.sleep(0.05)
+        for _ in range(2):
+            clock.advance(1.0)
+            a.report(5, clock.time()), b.report(2, clock.time())  # fresh, still short
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(held, timeout=5) is a
+        assert list(HOLDS) == [HeldRequest("a", 8, 2.0)]
+
+    run(router, body)
+    HOLDS.clear()
 
 def test_a_held_request_whose_replica_report_goes_stale_is_sent_there_and_its_claim_ends(clock):
     router = make_router(clock)
