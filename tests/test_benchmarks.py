@@ -311,6 +311,7 @@ def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
                            "--routers: unknown ['random']; allowed: kv_blocks, prefix, power_of_two, "
                            "kv_blocks_nohold, kv_blocks_per_token, app_default"),
                           (["--workload", "chat", "--sessions", "0"], "--sessions 0: expected 1 or more"),
+                          (["--loads", "0"], "--loads 0: expected at least 1 load per gap"),
                           (["--gaps", "1.0,soon"], "--gaps '1.0,soon': expected seconds >= 0, comma-separated")):
         result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_router.py"), "--small", *args],
                                 cwd=ROOT, capture_output=True, text=True, timeout=300)
