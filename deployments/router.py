@@ -143,9 +143,10 @@ class Ledger:
             return
         self.sent_blocks -= entry[1]
 
-    def start(self, request_id: str, entry: tuple[float, int]) -> None:
-        """The replica accepted the request: it is in flight until completed."""
-        self.in_flight.setdefault(request_id, []).append(entry[1])
+    def start(self, request_id: str, entry: tuple[float, int], grown: int = 0) -> None:
+        """The replica accepted the request: it is in flight until completed, when it gives back
+        its reserved blocks and the `grown` ones its output came to hold beyond them."""
+        self.in_flight.setdefault(request_id, []).append(entry[1] + grown)
         self.num_in_flight += 1
 
     def complete(self, now: float, request_id: str) -> None:
@@ -229,8 +230,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     The size comes from the request's GenerateRequest (none if the first argument is something
     else: such calls fit everywhere). A replica's effective free blocks are its reported free (or
     startable) blocks minus the blocks this router routed to it after that report was taken, plus
-    the blocks of requests that completed since (the ledger; a newer report drops what it already
-    counts). Replicas are then ranked in three tiers:
+    the blocks of requests that completed since, their output's included, counted to max_tokens
+    (the ledger; a newer report drops what it already counts). Replicas are then ranked in three tiers:
 
     1. fresh report, effective free blocks >= need: lowest score first, where score = the share of
        the pool in use (1 - effective free / total) + the load (running + waiting, plus this
@@ -475,7 +476,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
                 or reservation.replica_id != replica_id:
             reservation = self._reserve(pending_request, replica_id)  # moves one made elsewhere
         del self._reservations[id(pending_request)]
-        self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry)
+        self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry,
+                                       self._grown_blocks(pending_request, replica_id))
 
     def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> Reservation:
         self._claims.pop(id(pending_request), None)  # routed: its blocks are the ledger's now
@@ -519,6 +521,18 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         """Blocks the ledger takes off the replica the request was chosen for."""
         block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
         return blocks_needed(request_tokens(pending_request, self.counts_output), block_size)
+
+    def _grown_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID) -> int:
+        """Blocks the request's output adds beyond those reserved for it (admission "engine"
+        reserves each sample's first token): it frees them too when it completes, and a held
+        request must not wait for the next report to see them. Counted to max_tokens; one that
+        stopped early frees fewer, which the next report corrects."""
+        replica = self._replicas.get(replica_id)
+        report = read_report(replica.routing_stats) if replica is not None else None
+        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
+        whole = request_tokens(pending_request)
+        counted = request_tokens(pending_request, self.counts_output)
+        return blocks_needed(whole, block_size) - blocks_needed(counted, block_size)
 
     def uncounted_tokens(self, pending_request: PendingRequest | None) -> int:
         """Tokens of the request's size not counted when placing it: admission "engine" counts each

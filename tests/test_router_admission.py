@@ -89,6 +89,40 @@ def test_a_request_whose_whole_size_exceeds_every_pool_is_not_held(clock):
     run(router, body)
 
 
+def test_a_completion_gives_back_its_output_blocks_so_a_held_request_goes_without_a_report(clock):
+    """A request reserved for its prompt and first token (4 blocks for 50 + 1 tokens) held 7 when it
+    completed (50 + 60 tokens): the router counts all 7 back at once, so the request held for want of
+    room starts where the engine would start it, not a report (0.2-0.5 s) later."""
+    router = make_router(clock, admission="engine")
+    a, b = reported(FakeReplica("a"), free=2, startable=2), reported(FakeReplica("b"), free=1, startable=1)
+
+    async def body():
+        router.update_replicas([a, b])
+        busy = request(50, 60)
+        router.on_request_routed(busy, a.replica_id, result=None)
+        reported(a, free=2, startable=2, at=T0 + 0.01)  # read after the send, with busy at 7 blocks
+        clock.advance(0.1)
+        pr = request(100, 20)  # 7 blocks for 100 + 1 tokens
+        task = asyncio.ensure_future(router._choose_replica_for_request(pr))
+        await asyncio.sleep(0.1)
+        assert not task.done()
+        router.on_request_completed(a.replica_id, busy.metadata.internal_request_id)
+        assert router._ledgers[a.replica_id].unreported_blocks == -7  # a: 2 + 7 = 9
+        assert await asyncio.wait_for(task, timeout=5) is a
+
+    run(router, body)
+    reserving = make_router(clock, admission="max_tokens")
+
+    async def reserved():  # reserved to max_tokens already: nothing grows beyond the reservation
+        reserving.update_replicas([a, b])
+        busy = request(50, 60)
+        reserving.on_request_routed(busy, a.replica_id, result=None)
+        reserving.on_request_completed(a.replica_id, busy.metadata.internal_request_id)
+        assert reserving._ledgers[a.replica_id].unreported_blocks == 0  # 7 sent, 7 back
+
+    run(reserving, reserved)
+
+
 def test_request_tokens_without_output_counts_each_samples_first_token():
     async def body():
         pr = request(100, 60)
