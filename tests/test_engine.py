@@ -511,6 +511,8 @@ def test_compiled_decoder_layers_keep_greedy_output(default_model):
         # One trace serves every layer: graphs per step shape, not per layer and step shape.
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         assert 0 < graphs < len(layers), graphs
+        # ... and the attention is an op in that graph (attention/compiled_op.py), not a break.
+        assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
         # Plain generate on the compiled model (its DynamicCache files K/V by the traced layer_idx,
         # 0 in every layer) runs each layer eagerly with its own index: the same tokens.
         assert [plain_greedy(model, p, 6) for p in prompts] == expected

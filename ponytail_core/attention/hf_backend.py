@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
 from ..errors import ConfigError
-from . import hf_fallback
+from . import compiled_op, hf_fallback
 from .hf_cache_base import LAYER_INDEX_ATTR, TAG
 
 ATTN_IMPLEMENTATION = "ponytail"
@@ -44,13 +44,34 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     return out, None
 
 
+_eager_in_compiled_models = torch.compiler.disable(ponytail_attention_forward)
+
+
+def compiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                               value: torch.Tensor, attention_mask: torch.Tensor | None,
+                               dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """The attention function of compiled layers (runner/compile.py). Called by the wrapper of a
+    layer with a Ponytail cache (which passes COMPILED_CALL), the graph calls the custom op
+    (compiled_op.py) and does not break; any other call breaks the graph and runs as eager models do."""
+    if not kwargs.get(compiled_op.COMPILED_CALL):
+        return _eager_in_compiled_models(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, **kwargs)
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.ponytail.attention(query, key, value, hf_fallback.padding_mask(attention_mask), scale,
+                                       kwargs.get("sliding_window"))
+    return out, None
+
+
 def register(for_compiled_models: bool = False) -> None:
     """Make "ponytail" a valid attn_implementation (idempotent).
 
-    for_compiled_models: register it behind torch.compiler.disable, so a compiled model
-    (compile.py) breaks its graph at this call and runs Ponytail's kernels eagerly instead of
-    tracing into CuPy. Eager models keep the plain function (no wrapper in the hot path)."""
-    forward = torch.compiler.disable(ponytail_attention_forward) if for_compiled_models else ponytail_attention_forward
+    for_compiled_models: register compiled_attention_forward, which a compiled layer traces into
+    (compile.py) to call the custom op, and which otherwise runs Ponytail's kernels eagerly behind
+    torch.compiler.disable instead of tracing into CuPy. Eager models keep the plain function (no
+    wrapper in the hot path)."""
+    forward = compiled_attention_forward if for_compiled_models else ponytail_attention_forward
     AttentionInterface.register(ATTN_IMPLEMENTATION, forward)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, hf_fallback.wrap_mask(flash_attention_mask))
 

@@ -3,9 +3,9 @@
 A decode step of a stock transformers model runs ~45 small kernels per layer (RMSNorm in fp32,
 rotary embedding, residual adds, SiLU * up) around its few GEMMs; a CUDA graph removes their
 launch cost but not their own time. Compiling each decoder layer lets inductor fuse them. The
-attention call stays eager (hf_attention re-registers it behind torch.compiler.disable): the
-layer's graph breaks there, so Ponytail's kernels and their checks run exactly as without
-compiling.
+attention runs as a custom op (attention/compiled_op.py) the layer's graph calls without breaking,
+so Ponytail's kernels and their checks run exactly as without compiling, and each layer is one
+compiled graph.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..attention import compiled_op
 from ..attention.hf_cache_base import LAYER_INDEX_ATTR, PagedCacheBase
 from ..errors import ConfigError
 
@@ -99,14 +100,26 @@ def _share_layer_index(layer):
 
 
 def _compiled_for_ponytail_caches(layer, attention, compiled):
-    """The compiled forward with a Ponytail cache or none. Any other cache (plain `generate`'s
+    """The compiled forward with a Ponytail cache or none. A Ponytail cache stays out of the trace:
+    the layer gets none (so its attention module does not call update()) and COMPILED_CALL, and
+    its attention runs as the custom op, told the cache and the layer's real index here
+    (attention/compiled_op.py): one graph for the whole layer. Any other cache (plain `generate`'s
     DynamicCache) files K/V under the traced layer_idx, which is 0 in every layer here: such a call
     runs the class's own forward, eagerly, with the layer's real index back for its duration."""
     eager = type(layer).forward
+    layer_idx = vars(attention)[LAYER_INDEX_ATTR]
 
     def forward(*args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.x renamed it
-        if cache is None or isinstance(cache, PagedCacheBase):
+        if isinstance(cache, PagedCacheBase):
+            if torch.is_grad_enabled():  # else the trace would want the op's backward, which it has none of
+                raise ConfigError("a compiled layer with a Ponytail cache runs inference only: call the model "
+                                  "under torch.inference_mode() or torch.no_grad(), as the engine does")
+            kwargs.pop("cache", None)
+            kwargs.pop("past_key_values", None)
+            with compiled_op.calling(cache, attention, layer_idx):
+                return compiled(*args, **kwargs, **{compiled_op.COMPILED_CALL: True})
+        if cache is None:
             return compiled(*args, **kwargs)
         attention.layer_idx = vars(attention)[LAYER_INDEX_ATTR]
         try:
