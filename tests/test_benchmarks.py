@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -136,6 +137,22 @@ def test_profile_steps_runs_every_request_to_its_length_three_ways(tmp_path):
     for run in ("step_loop", "async_llm", "profiled"):
         assert report[run]["tokens"] == report["output_tokens"], run  # EOS ignored: every token of every request
     assert "tottime" in report["profiled"]["profile"]
+
+
+@pytest.mark.network
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
+def test_probe_step_host_times_decode_and_mixed_steps_of_compiled_thin_layers(tmp_path):
+    benchmark_module("random_checkpoint").export_files(tmp_path / "files")
+    out = tmp_path / "host.json"
+    run_script("probe_step_host.py", "--model", str(tmp_path / "thin"), "--thin-layers", "2",
+               "--files", str(tmp_path / "files"), "--rows", "2", "--steps", "6", "--json", str(out))
+    report = json.loads(out.read_text())
+    assert report["steps"] == {"decode": 4, "mixed": 2}
+    assert all(ms > 0 for ms in report["median_ms"].values())
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_step_host.py"), "--model", "x",
+                              "--rows", "0"], cwd=ROOT, capture_output=True, text=True)
+    assert refused.returncode == 2 and "--rows 0 and --steps 60: at least 1 and 3" in refused.stderr
 
 
 def test_profile_engine_small_accounts_for_the_step(tmp_path):
