@@ -12,7 +12,6 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask
 
-from ..errors import ConfigError
 from . import compiled_op, hf_fallback
 from .hf_cache_base import LAYER_INDEX_ATTR, TAG
 
