@@ -336,8 +336,16 @@ def main() -> int:
                         "(default 0.5: the two pools hold them all only if no prefix is cached twice)")
     parser.add_argument("--replicas-per-gpu", type=int, default=1, choices=(1, 2),
                         help="2: both replicas on one GPU (num_gpus 0.5 each, each with the KV budget below)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="run nothing: pool the runs of earlier --json files of one workload (each file's "
+                        "rounds renumbered after the previous file's) and report them as one run")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.merge:
+        try:
+            return report_merged(args.merge, args.json)
+        except (OSError, ValueError, KeyError) as error:
+            parser.error(f"--merge: {error}")
     if args.loads < 1:
         parser.error(f"--loads {args.loads}: expected at least 1 load per gap")
     if args.long_per_burst is not None and args.long_per_burst < 0:
@@ -465,6 +473,34 @@ def main() -> int:
                        "gaps": gaps, "engine": engine, "kv_budget": budget, "pooled": results, "runs": runs},
                       f, indent=2)
     return 1 if any(r["failed"] for per_gap in results.values() for r in per_gap.values()) else 0
+
+
+def report_merged(paths: list[str], out: str | None) -> int:
+    """--merge: earlier runs of one workload pooled and reported as one (the comparisons pair each
+    file's own rounds and loads)."""
+    runs: dict[str, list[dict]] = {}
+    gaps: list[float] = []
+    rounds, first = 0, None
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        if first is None:
+            first = data
+        elif (data["workload"], data["sizes"]) != (first["workload"], first["sizes"]):
+            raise ValueError(f"{path} ran another workload or other sizes than {paths[0]}")
+        file_rounds = 1 + max((r["round"] for router_runs in data["runs"].values() for r in router_runs), default=-1)
+        for router, router_runs in data["runs"].items():
+            runs.setdefault(router, []).extend({**r, "round": r["round"] + rounds} for r in router_runs)
+        rounds += file_rounds
+        gaps += [gap for gap in data["gaps"] if gap not in gaps]
+    results = {router: {str(gap): pooled([r for r in router_runs if r["gap"] == gap]) for gap in gaps
+                        if any(r["gap"] == gap for r in router_runs)} for router, router_runs in runs.items()}
+    print(f"merged {len(paths)} files: {', '.join(paths)}")
+    report(runs, results, gaps, rounds, first["workload"] == "chat")
+    if out:
+        with open(out, "w") as f:
+            json.dump({**first, "merged": paths, "gaps": gaps, "pooled": results, "runs": runs}, f, indent=2)
+    return 0
 
 
 def report(runs: dict[str, list[dict]], results: dict[str, dict[str, dict]], gaps: list[float], rounds: int,

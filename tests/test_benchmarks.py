@@ -7,6 +7,7 @@ import importlib
 import json
 import random
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -321,6 +322,40 @@ def test_a_peers_decode_launch_overrides_hold_while_it_runs_and_not_after():
     with pytest.raises(RuntimeError), peer_bench.peer_launch(peer):
         raise RuntimeError("a peer that fails mid-run")
     assert launch == before
+
+
+def test_bench_router_merge_pools_earlier_runs_as_one_with_each_files_rounds_apart(tmp_path):
+    def load(router, round_index, ttfts):
+        return {"round": round_index, "load": 0, "gap": 2.0, "requests": len(ttfts), "failed": 0, "errors": [],
+                "tokens": 10 * len(ttfts), "seconds": 1.0, "tokens_per_s": 10.0 * len(ttfts), "ttfts": ttfts,
+                "ttfts_long": ttfts[-1:], "ttft_p50": statistics.median(ttfts), "ttft_p99": max(ttfts),
+                "held": [["r1", 3, 0.5]] if router == "prefix" else [], "replica_requests": [1, 1],
+                "replica_prompt_tokens": [10, 10], "replica_prefix_hits": [0, 0], "prefix_hit_rate": 0.0,
+                "preemptions": 0, "replica_steps": [1, 1], "replica_step_ms": [1.0, 1.0], "replica_busy": [0.5, 0.5],
+                "admit_s": 0.0, "engine_ttft_s": 0.1, "engine_queue_s": 0.05}
+
+    files = []
+    for index, (fast, slow) in enumerate([([0.1] * 98 + [0.5] * 2, [0.1] * 98 + [1.0] * 2), ([0.2] * 100, [0.1] * 100)]):
+        path = tmp_path / f"run{index}.json"
+        path.write_text(json.dumps({"workload": "mix", "sizes": {"n": 100}, "chat": None, "gaps": [2.0],
+                                    "runs": {"prefix": [load("prefix", 0, fast)],
+                                             "power_of_two": [load("power_of_two", 0, slow)]}}))
+        files.append(str(path))
+    out = tmp_path / "merged.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_router.py"), "--merge", *files,
+                             "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    merged = json.loads(out.read_text())
+    assert [r["round"] for r in merged["runs"]["prefix"]] == [0, 1]  # the second file's round follows the first's
+    prefix, p2c = merged["pooled"]["prefix"]["2.0"], merged["pooled"]["power_of_two"]["2.0"]
+    assert (prefix["requests"], prefix["held"], prefix["ttft_p99"], p2c["ttft_p99"]) == (200, 2, 0.5, 1.0)
+    assert "mean TTFT against power_of_two's same round and load, one by one: -8%, +100%" in result.stdout
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**json.loads(Path(files[0]).read_text()), "sizes": {"n": 7}}))
+    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_router.py"), "--merge", files[0],
+                              str(other)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and f"--merge: {other} ran another workload or other sizes than {files[0]}" \
+        in refused.stderr
 
 
 def test_bench_router_refuses_unknown_routers_and_gaps_before_starting_ray():
