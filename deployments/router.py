@@ -176,6 +176,7 @@ class Reservation:
     pending: PendingRequest
     replica_id: ReplicaID
     entry: tuple[float, int]  # the ledger's (time, blocks) send entry
+    grown: int = 0  # blocks its output may add beyond entry's, given back with them on completion
 
 
 @dataclass(slots=True, frozen=True)
@@ -477,7 +478,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             reservation = self._reserve(pending_request, replica_id)  # moves one made elsewhere
         del self._reservations[id(pending_request)]
         self._ledger(replica_id).start(pending_request.metadata.internal_request_id, reservation.entry,
-                                       self._grown_blocks(pending_request, replica_id))
+                                       reservation.grown)
 
     def _reserve(self, pending_request: PendingRequest, replica_id: ReplicaID) -> Reservation:
         self._claims.pop(id(pending_request), None)  # routed: its blocks are the ledger's now
@@ -497,7 +498,8 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         if report is not None:
             ledger.observe(report)
         entry = ledger.reserve(now, self._reserved_blocks(pending_request, replica_id, report))
-        reservation = self._reservations[id(pending_request)] = Reservation(pending_request, replica_id, entry)
+        reservation = self._reservations[id(pending_request)] = Reservation(
+            pending_request, replica_id, entry, self._grown_blocks(pending_request, report))
         context = pending_request.routing_context
         since = getattr(context, self._HELD_SINCE, None)
         if since is not None and not getattr(context, self._HOLD_LOGGED, False):  # once, not per rejection
@@ -522,17 +524,17 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
         return blocks_needed(request_tokens(pending_request, self.counts_output), block_size)
 
-    def _grown_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID) -> int:
+    def _grown_blocks(self, pending_request: PendingRequest, report: Report | None) -> int:
         """Blocks the request's output adds beyond those reserved for it (admission "engine"
         reserves each sample's first token): it frees them too when it completes, and a held
         request must not wait for the next report to see them. Counted to max_tokens; one that
         stopped early frees fewer, which the next report corrects."""
-        replica = self._replicas.get(replica_id)
-        report = read_report(replica.routing_stats) if replica is not None else None
-        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
         whole = request_tokens(pending_request)
-        counted = request_tokens(pending_request, self.counts_output)
-        return blocks_needed(whole, block_size) - blocks_needed(counted, block_size)
+        if whole is None:
+            return 0
+        block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
+        return blocks_needed(whole, block_size) - blocks_needed(whole - self.uncounted_tokens(pending_request),
+                                                                block_size)
 
     def uncounted_tokens(self, pending_request: PendingRequest | None) -> int:
         """Tokens of the request's size not counted when placing it: admission "engine" counts each
