@@ -236,10 +236,14 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
 
     1. fresh report, effective free blocks >= need: lowest score first, where score = the share of
        the pool in use (1 - effective free / total) + the load (running + waiting, plus this
-       router's sends since the report, or Ray's queue length if larger) as a share of the largest
-       load among these replicas. Memory decides where a request can go; among those, KV in use
-       (which counts a 4k-token prompt as 250 short ones) and request count weigh equally, as
-       llm-d's kv-cache-utilization and queue scorers do; ties to most free blocks;
+       router's sends since the report, or this router's calls in flight there if more) as a
+       share of the largest load among these replicas. Memory decides where a request can go;
+       among those, KV in use (which counts a 4k-token prompt as 250 short ones) and request
+       count weigh equally, as llm-d's kv-cache-utilization and queue scorers do; ties to most
+       free blocks. Not Ray's queue-length cache here: a replica's accept reply sets it to every
+       call running there (another handle's, a monitoring `report`), and only this router's
+       completions count back down, so it stays high until it expires (10 s) and an idle
+       replica with the prefix cached lost to the other one;
     2. no report, or one older than STATS_MAX_AGE_S: fewest queued requests first (Ray's queue
        length cache, or this router's own in-flight count when larger or when the cache is empty),
        ties to _stale_affinity (the prefix router's cached blocks), then at random;
@@ -388,7 +392,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
             could_ever_fit |= pool_fits
             if free >= need:
                 # Requests routed since the report count as load the report cannot show.
-                load = max(report.load + len(ledger.sends), self._queue_len(replica_id, ledger))
+                load = max(report.load + len(ledger.sends), ledger.num_in_flight)
                 used = 1 - free / report.total_blocks if report.total_blocks > 0 else 0.0
                 fits.append((used - placement.affinity, load, free, replica))
             else:

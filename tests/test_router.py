@@ -187,6 +187,25 @@ def test_ties_go_to_fewer_running_and_waiting(clock):
     run(router, body)
 
 
+def test_a_fresh_report_outranks_rays_queue_length_cache(clock):
+    """Ray's cache takes a replica's accept reply, which counts every call running there (another
+    handle's `report`), and only this router's completions count it down: it can say 1 for an idle
+    replica for 10 s. A fresh report and this router's own calls in flight say what runs there."""
+    router = make_router(clock)
+    a, b = FakeReplica("a").report(40, T0), FakeReplica("b").report(30, T0)
+
+    async def body():
+        router.update_replicas([a, b])
+        router.on_new_queue_len_info(a.replica_id, 2)  # our call and a monitoring call were running
+        router.decrement_queue_len_cache(a.replica_id)  # ours completed; the cache still says 1
+        assert router.replica_queue_len_cache.get(a.replica_id) == 1
+        assert await ranking(router, [a, b]) == ["a", "b"]  # idle both: more free blocks
+        router.on_request_routed(request(), a.replica_id, result=None)  # ours, in flight: load 1
+        assert await ranking(router, [a, b]) == ["b", "a"]
+
+    run(router, body)
+
+
 def test_large_request_goes_to_the_replica_that_fits(clock):
     router = make_router(clock)
     four, eight = FakeReplica("four").report(4, T0), FakeReplica("eight").report(8, T0)
