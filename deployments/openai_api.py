@@ -399,7 +399,8 @@ class _OpenAIServer:
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
             generates = to_generate_requests(req, base_id)
             request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
-            plan = plan_structured(req, generates[0]) if kind is ChatCompletionRequest else None  # one choice
+            plan = plan_structured(req, generates[0], info.tool_call_format) if kind is ChatCompletionRequest \
+                else None  # one choice
             for generate in generates:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(

@@ -72,6 +72,7 @@ class ModelInfo:
     device_uuid: str | None  # the GPU this replica owns (None on CPU)
     root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
     aliases: list[str] = field(default_factory=list)  # other names requests may use (listed after model_id)
+    tool_call_format: str | None = None  # how the chat template writes tool calls (tool_parsers.py); None: no format
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

@@ -21,6 +21,7 @@ from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint
+from .tool_parsers import tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
                        STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest,
@@ -87,7 +88,8 @@ class EngineReplica:
                             "(generation_config: ponytail turns this off)", self.sampling_defaults)
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
                               device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
-                              aliases=[model_alias] if model_alias and model_alias != served else [])
+                              aliases=[model_alias] if model_alias and model_alias != served else [],
+                              tool_call_format=tool_call_format(getattr(self.tokenizer, "chat_template", None)))
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len

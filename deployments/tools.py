@@ -12,11 +12,15 @@ or streamed as deltas.
 - tool_choice "required": the output is a JSON list of {"name", "parameters"} objects, one per
   call (vLLM's format), at least one (exactly one when parallel_tool_calls is false); the calls
   are sent once the list is complete.
-- tool_choice "auto" (OpenAI's default once tools are given) is refused: it needs the model's own
-  tool-call format and a parser for it, which the served chat template (SmolLM2's) does not have.
+- tool_choice "auto" (OpenAI's default once tools are given): the model decides, unconstrained,
+  and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
+  Qwen2.5/3, Hermes and their fine-tunes; vLLM's `--enable-auto-tool-choice --tool-call-parser
+  hermes`, found here from the served chat template). Text around the calls is the content; with
+  parallel_tool_calls false only the first call counts. Refused where the template shows no format
+  (SmolLM2's): there is nothing to parse.
   "none" generates text as usual.
-Both finish with finish_reason "tool_calls". Errors are ConfigErrors starting "field=value", so
-the API answers 400 naming the field.
+All finish with finish_reason "tool_calls" when they called. Errors are ConfigErrors starting
+"field=value", so the API answers 400 naming the field.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from ponytail import ConfigError
 from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
                               ToolCall, ToolCallDelta, Usage)
 from .protocol import GenerateRequest
+from .tool_parsers import HermesCallStream, parse_hermes
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one of tools>}}"
@@ -41,20 +46,29 @@ _CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one
 class ToolPlan:
     """How the constrained JSON becomes tool calls."""
 
-    name: str | None  # the forced function: the output is its arguments; None: a 'required' list
+    name: str | None  # the forced function: the output is its arguments; None: a 'required' list or 'auto'
+    format: str | None = None  # 'auto': the model's own format (tool_parsers.FORMATS), read from free text
+    parallel: bool = True  # 'auto': every call the model writes, else the first only
 
 
-def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest) -> ToolPlan | None:
+def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
+                    tool_format: str | None = None) -> ToolPlan | None:
     """Set generate.sampling["structured_outputs"] (and the tools, for the template) from the
-    request; returns the ToolPlan when the answer is tool calls. ConfigError names the field."""
+    request; returns the ToolPlan when the answer may be tool calls. tool_format: the format the
+    served chat template writes calls in (ModelInfo.tool_call_format). ConfigError names the field."""
     tools = req.tools or []
     if tools:
         generate.tools = [tool.model_dump(exclude_none=True) for tool in tools]
-        _describe_earlier_calls(generate.messages)
+        if tool_format is None:
+            _describe_earlier_calls(generate.messages)
+        else:
+            _arguments_as_objects(generate.messages)
     elif req.tool_choice is not None and req.tool_choice != "none":
         raise ConfigError(f"tool_choice={_show(req.tool_choice)} is invalid without tools; "
                           "allowed: give tools, or leave tool_choice out")
-    plan, schema = _tool_schema(req, tools)
+    plan, schema = _tool_schema(req, tools, tool_format)
+    if plan is not None and plan.format is not None and req.skip_special_tokens is None:
+        generate.sampling["skip_special_tokens"] = False  # some tokenizers make the call tags special
     response = _response_schema(req)
     if plan is not None and response is not None:
         raise ConfigError(f"response_format={req.response_format.type!r} cannot be combined with "
@@ -78,14 +92,17 @@ def _response_schema(req: ChatCompletionRequest) -> dict | None:
     return {"json": fmt.json_schema.schema_}
 
 
-def _tool_schema(req: ChatCompletionRequest, tools: list) -> tuple[ToolPlan | None, dict | None]:
+def _tool_schema(req: ChatCompletionRequest, tools: list,
+                 tool_format: str | None) -> tuple[ToolPlan | None, dict | None]:
     choice = req.tool_choice
     if not tools or choice == "none":
         return None, None
     if choice is None or choice == "auto":
+        if tool_format is not None:
+            return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse; allowed: {_CHOICES}")
+                          f"tool-call format to parse (Hermes <tool_call> blocks are read); allowed: {_CHOICES}")
     functions = {}
     for tool in tools:
         name = tool.function.name
@@ -117,6 +134,16 @@ def _describe_earlier_calls(messages: list[dict] | None) -> None:
                                              for c in message["tool_calls"]])
 
 
+def _arguments_as_objects(messages: list[dict] | None) -> None:
+    """Earlier calls' arguments as objects, not JSON text: templates with a tool format write them
+    with `tojson` (Qwen's), which would quote the text a second time."""
+    for message in messages or []:
+        for call in message.get("tool_calls") or []:
+            function = call.get("function") or {}
+            if isinstance(function.get("arguments"), str):
+                function["arguments"] = _loads_or_text(function["arguments"])
+
+
 def _loads_or_text(text: str):
     try:
         return json.loads(text)
@@ -133,7 +160,12 @@ def _call_id() -> str:
 
 
 def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The tool calls in a finished output; None when it is not complete JSON (max_tokens hit)."""
+    """The tool calls in a finished output; None when it is not complete JSON (max_tokens hit) or,
+    under 'auto', holds no call."""
+    if plan.format is not None:
+        calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parse_hermes(text)[1]]
+        return (calls if plan.parallel else calls[:1]) or None
     if plan.name is not None:
         try:
             json.loads(text)
@@ -160,6 +192,8 @@ class ToolCallFormat:
         self.plan = plan
         self.pieces: dict[int, list[str]] = {}  # per choice: its output so far
         self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
+        self.streams: dict[int, HermesCallStream] = {}  # per choice under 'auto': its output, split
+        self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
 
     def call_id(self, index: int) -> str:
         return self.call_ids.setdefault(index, _call_id())
@@ -177,12 +211,32 @@ class ToolCallFormat:
 
     def text(self, index: int, text: str, items=None) -> list[BaseModel]:
         self.pieces.setdefault(index, []).append(text)
+        if self.plan.format is not None:  # 'auto': content as it comes, each call once it is closed
+            chunks = self._split(index, self.streams.setdefault(index, HermesCallStream()).feed(text), items)
+            return chunks or ([self._chunk(index, ChatDelta(), items=items)] if items else [])
         if self.plan.name is None:  # a list of calls: sent once it is complete
             return []
         return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
             arguments=text))]), items=items)]
 
+    def _split(self, index: int, events: list, items=None) -> list[BaseModel]:
+        chunks = []
+        for kind, value in events:
+            if kind == "content":
+                chunks.append(self._chunk(index, ChatDelta(content=value), items=items))
+            elif self.plan.parallel or not self.calls_sent.get(index):
+                number = self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
+                chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+                    index=number - 1, id=_call_id(), type="function",
+                    function=FunctionCallDelta(name=value.name, arguments=value.arguments))]), items=items))
+            items = None  # a piece's logprobs go out once, with its first chunk
+        return chunks
+
     def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
+        if self.plan.format is not None:
+            chunks = self._split(index, self.streams.setdefault(index, HermesCallStream()).finish())
+            called = self.calls_sent.get(index, 0) > 0
+            return chunks + [self._chunk(index, ChatDelta(), "tool_calls" if called else finish_reason)]
         text = "".join(self.pieces.get(index, []))
         calls = parse_calls(self.plan, text)
         if self.plan.name is not None:
@@ -205,7 +259,8 @@ class ToolCallFormat:
             return choice
         if self.plan.name is not None:
             calls[0].id = self.call_id(index)
-        return choice.model_copy(update={"message": ChatMessage(content=None, tool_calls=calls),
+        content = parse_hermes(text)[0] if self.plan.format is not None else None
+        return choice.model_copy(update={"message": ChatMessage(content=content, tool_calls=calls),
                                          "finish_reason": "tool_calls"})
 
     def full(self, choices: list, usage: Usage) -> BaseModel:

@@ -4,6 +4,8 @@ The real chat path without Ray: build_app over deployments.replica.EngineReplica
 template, tools) driving an AsyncLLM of the default model, served by uvicorn on 127.0.0.1.
 """
 
+import copy
+import dataclasses
 import json
 import socket
 import threading
@@ -19,7 +21,12 @@ jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, Field  # noqa: E402
 
 import ponytail  # noqa: E402
+from deployments.local_server import serve_on_loopback  # noqa: E402
 from deployments.openai_api import build_app  # noqa: E402
+from deployments.openai_protocol import ChatCompletionRequest, to_generate_request  # noqa: E402
+from deployments.prompts import chat_token_ids  # noqa: E402
+from deployments.tool_parsers import HERMES, tool_call_format  # noqa: E402
+from deployments.tools import plan_structured  # noqa: E402
 from deployments.protocol import ModelInfo  # noqa: E402
 from deployments.logprobs import TokenTexts  # noqa: E402
 from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
@@ -242,3 +249,68 @@ def test_unsupported_or_bad_requests_are_400s_naming_the_field(client, kwargs, p
     error = caught.value.body
     assert error["param"] == param, error
     assert words in error["message"], error
+
+
+# A chat template that writes tool calls as Hermes's do (Qwen2.5's kind), for SmolLM2's tokens.
+HERMES_TEMPLATE = """{%- if tools %}<|im_start|>system
+You can call these functions:
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}To call one, write <tool_call>
+{"name": <its name>, "arguments": <an object>}
+</tool_call><|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.content %}{{ m.content }}{% endif %}{% for c in m.tool_calls or [] %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes_tokenizer(replica):
+    tokenizer = copy.deepcopy(replica.tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def hermes_client(replica, hermes_tokenizer):
+    """The same engine behind a replica whose template writes Hermes tool calls (found, as
+    EngineReplica finds it, from the template)."""
+    hermes = copy.copy(replica)
+    hermes.tokenizer, hermes.segments = hermes_tokenizer, SegmentCache(hermes_tokenizer)
+    hermes.info = dataclasses.replace(replica.info, tool_call_format=tool_call_format(hermes_tokenizer.chat_template))
+    assert hermes.info.tool_call_format == HERMES and tool_call_format(replica.tokenizer.chat_template) is None
+    with serve_on_loopback(build_app(hermes)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=WAIT_S) as c:
+            yield c
+
+
+def test_auto_runs_the_model_freely_and_agrees_streamed(hermes_client):
+    """tool_choice unset (auto): the tools go into the prompt, the model writes what it writes
+    (SmolLM2 does not call tools: text here), and the stream says the same as the whole answer."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=24)
+    whole = hermes_client.chat.completions.create(**kwargs)
+    without_tools = hermes_client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=1)
+    assert whole.usage.prompt_tokens > without_tools.usage.prompt_tokens + 40  # the tool list is in the prompt
+    chunks = [c for c in hermes_client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks) or None
+    calls = [(d.function.name, d.function.arguments) for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    choice = whole.choices[0]
+    assert content == choice.message.content
+    assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+    assert chunks[-1].choices[0].finish_reason == choice.finish_reason
+    assert choice.finish_reason in (("tool_calls",) if calls else ("stop", "length"))
+
+
+def test_earlier_calls_render_as_objects_in_a_tool_format_template(hermes_tokenizer):
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    req = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])
+    generate = to_generate_request(req, "r")
+    plan_structured(req, generate, HERMES)
+    text = hermes_tokenizer.decode(chat_token_ids(hermes_tokenizer, generate.messages, generate.tools))
+    assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text  # not quoted twice
+    assert text.count("get_weather") == 2  # in the tool list and in the call

@@ -1,0 +1,143 @@
+"""tool_choice "auto" through the API and the official openai client, over a backend that writes a script.
+
+The served chat template writes Hermes tool calls (ModelInfo.tool_call_format), the backend's
+output is fixed text cut into pieces, and the answer's calls and content must come out the same
+whole and streamed. A template without a format refuses "auto" (tests/test_structured_api.py).
+"""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from deployments.local_server import serve_on_loopback  # noqa: E402
+from deployments.openai_api import build_app  # noqa: E402
+from deployments.protocol import GenerateDelta, ModelInfo  # noqa: E402
+
+MODEL = "hermes-model"
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+TWO_CALLS = ["I will check.", "\n<tool", '_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
+             'ris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>']
+
+
+class ScriptedBackend:
+    """Writes `script` (its pieces as deltas) for every request; records the requests."""
+
+    def __init__(self, tool_call_format: str | None = "hermes"):
+        self.tool_call_format = tool_call_format
+        self.script: list[str] = []
+        self.requests = []
+
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(model_id=MODEL, max_model_len=512, block_size=16, device="cpu", device_uuid=None,
+                         tool_call_format=self.tool_call_format)
+
+    def stream(self, request):
+        self.requests.append(request)
+        return self._deltas(request)
+
+    async def _deltas(self, request):
+        for i, piece in enumerate(self.script):
+            done = i + 1 == len(self.script)
+            yield GenerateDelta(request_id=request.request_id, text=piece, token_ids=[100 + i], finished=done,
+                                finish_reason="stop" if done else None, prompt_tokens=10, completion_tokens=i + 1)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = ScriptedBackend()
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            yield backend, client
+
+
+def ask(client, stream=False, **kwargs):
+    return client.chat.completions.create(model=MODEL, messages=kwargs.pop("messages", ASK),
+                                          tools=[WEATHER, TIME], stream=stream, **kwargs)
+
+
+def test_auto_returns_the_calls_the_model_wrote_and_its_text(served):
+    backend, client = served
+    backend.script = TWO_CALLS
+    for choice_arg in ({}, {"tool_choice": "auto"}):  # OpenAI's default once tools are given, and said
+        choice = ask(client, **choice_arg).choices[0]
+        assert choice.finish_reason == "tool_calls"
+        assert choice.message.content == "I will check."
+        first, second = choice.message.tool_calls
+        assert (first.function.name, json.loads(first.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert (second.function.name, second.function.arguments) == ("get_time", "{}")
+        assert first.id.startswith("call_") and first.id != second.id and first.type == "function"
+    request = backend.requests[-1]
+    assert [t["function"]["name"] for t in request.tools] == ["get_weather", "get_time"]  # for the template
+    assert "structured_outputs" not in request.sampling  # the model decides: nothing constrains it
+    assert request.sampling["skip_special_tokens"] is False  # tags some tokenizers mark special stay in
+
+
+def test_a_streamed_auto_answer_matches_the_whole_one(served):
+    backend, client = served
+    backend.script = TWO_CALLS
+    chunks = [c for c in ask(client, stream=True) if c.choices]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks)
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert content == "I will check."
+    assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
+        (0, "get_weather", '{"city": "Paris"}'), (1, "get_time", "{}")]
+    assert all(d.id and d.type == "function" for d in calls)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(served):
+    backend, client = served
+    backend.script = TWO_CALLS
+    whole = ask(client, parallel_tool_calls=False).choices[0].message.tool_calls
+    assert [c.function.name for c in whole] == ["get_weather"]
+    chunks = [c for c in ask(client, stream=True, parallel_tool_calls=False) if c.choices]
+    assert [d.function.name for c in chunks for d in (c.choices[0].delta.tool_calls or [])] == ["get_weather"]
+
+
+def test_an_answer_without_calls_is_plain_text(served):
+    backend, client = served
+    backend.script = ["It is ", "sunny in Paris; 1 < 2."]
+    choice = ask(client).choices[0]
+    assert (choice.finish_reason, choice.message.content, choice.message.tool_calls) == (
+        "stop", "It is sunny in Paris; 1 < 2.", None)
+    chunks = [c for c in ask(client, stream=True) if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "It is sunny in Paris; 1 < 2."
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_earlier_calls_reach_a_tool_format_template_as_objects(served):
+    backend, client = served
+    backend.script = ["18 degrees."]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    assert ask(client, messages=messages).choices[0].message.content == "18 degrees."
+    assistant = backend.requests[-1].messages[1]
+    # Not written into the content as JSON (the template shows the call itself), and its arguments
+    # an object, which such templates write with tojson (text would be quoted twice).
+    assert not assistant.get("content")
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+
+
+def test_a_template_without_a_format_refuses_auto_naming_the_field():
+    backend = ScriptedBackend(tool_call_format=None)
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            with pytest.raises(openai.BadRequestError) as caught:
+                ask(client, tool_choice="auto")
+    body = caught.value.body
+    assert body["param"] == "tool_choice"
+    assert "no tool-call format" in body["message"] and "<tool_call>" in body["message"]
+    assert "'required'" in body["message"]  # what is allowed instead
+    assert not backend.requests
