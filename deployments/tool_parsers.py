@@ -1,18 +1,24 @@
 """Tool calls a model writes in its own format, for tool_choice "auto": found in its output, whole or streamed.
 
 With "auto" the model decides between text and calls, so nothing constrains its output: the calls
-are whatever its chat template taught it to write. One format is read here, Hermes's, which the
-templates of Qwen2.5/Qwen3, Hermes 2/3 and many fine-tunes use (vLLM's `--tool-call-parser
-hermes`): each call is a JSON object {"name": ..., "arguments": {...}} between `<tool_call>` and
-`</tool_call>` (or a list of such objects in one block), any text around the calls is the
-answer's content. A served template that
-mentions `<tool_call>` is taken to use it (`tool_call_format`); other templates (SmolLM2's) have no
-format to read and "auto" is refused for them (tools.py).
+are whatever its chat template taught it to write. Two formats are read here (`tool_call_format`
+finds which from the served template; other templates, SmolLM2's, have none and "auto" is refused
+for them in tools.py):
 
-`HermesCallStream` splits a streamed output as it comes: text goes out as content except a tail
-that may be the start of `<tool_call>`, held until the next piece decides it; a call goes out once
-its closing tag arrives (its arguments in one delta, which OpenAI's stream format allows).
-`parse_hermes` reads a finished output the same way, so a stream and the whole answer agree.
+- "hermes" (the template mentions `<tool_call>`: Qwen2.5/Qwen3, Hermes 2/3, many fine-tunes;
+  vLLM's `--tool-call-parser hermes`): each call is a JSON object {"name": ..., "arguments": {...}}
+  between `<tool_call>` and `</tool_call>` (or a list of such objects in one block), any text
+  around the calls is the answer's content. `HermesCallStream` sends text as it comes except a
+  tail that may start `<tool_call>`, and each call once its block closes (its arguments in one
+  delta, which OpenAI's stream format allows).
+- "llama3_json" (the template has Llama 3.1-3.3's `<|python_tag|>`; vLLM's `llama3_json`): an
+  answer that is calls is only calls, JSON objects {"name": ..., "parameters": {...}} separated by
+  `;`, after an optional `<|python_tag|>`. `Llama3JsonCallStream` holds an answer that opens with
+  `{` or the tag until it ends (then it is calls if it all parses, else text as written); any
+  other answer streams as text.
+
+Each format's `parse` reads a finished output with its stream class, so a stream and the whole
+answer agree wherever the deltas are cut.
 """
 
 from __future__ import annotations
@@ -20,16 +26,21 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-HERMES = "hermes"
-FORMATS = (HERMES,)
+HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"
 
 
 def tool_call_format(chat_template) -> str | None:
-    """The tool-call format a chat template writes (HERMES), or None where it shows none.
-    `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""
-    templates = chat_template.values() if isinstance(chat_template, dict) else [chat_template]
-    return HERMES if any(isinstance(t, str) and OPEN in t for t in templates) else None
+    """The tool-call format a chat template writes (HERMES, LLAMA3_JSON), or None where it shows
+    none. `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""
+    templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
+                 if isinstance(t, str)]
+    if any(OPEN in t for t in templates):
+        return HERMES
+    if any(PYTHON_TAG in t for t in templates):
+        return LLAMA3_JSON
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +58,11 @@ def _calls(body: str) -> list[ParsedCall] | None:
         items = json.loads(body)
     except ValueError:
         return None
-    items = items if isinstance(items, list) else [items]
+    return _call_items(items if isinstance(items, list) else [items])
+
+
+def _call_items(items: list) -> list[ParsedCall] | None:
+    """Decoded call objects ({"name", "arguments" or "parameters"}) as calls; None unless all are."""
     if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
         return None
     calls = []
@@ -133,13 +148,69 @@ class HermesCallStream:
         self._blank = text[len(kept):]
 
 
-def parse_hermes(text: str) -> tuple[str | None, list[ParsedCall]]:
+class Llama3JsonCallStream:
+    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events, in order:
+    an output that opens with `{` or PYTHON_TAG is held to its end and is calls if it all parses."""
+
+    def __init__(self):
+        self._held = ""  # the output so far, while it may be calls
+        self._text = False  # it is text: pieces go out as they come
+        self.num_calls = 0
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        if self._text:
+            return [("content", text)] if text else []
+        self._held += text
+        start = self._held.lstrip()
+        if not start or start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):
+            return []  # calls, or still undecided
+        self._text = True
+        held, self._held = self._held, ""
+        return [("content", held)]
+
+    def finish(self) -> list[tuple[str, object]]:
+        held, self._held = self._held, ""
+        calls = None if self._text else _json_calls(held.strip().removeprefix(PYTHON_TAG).lstrip())
+        if calls:
+            self.num_calls += len(calls)
+            return [("call", call) for call in calls]
+        return [("content", held)] if held else []
+
+
+def _json_calls(text: str) -> list[ParsedCall] | None:
+    """`{...}; {...}` as calls; None unless every part is a call object."""
+    decoder, calls, at = json.JSONDecoder(), [], 0
+    while at < len(text):
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            return None
+        found = _call_items([item])
+        if found is None:
+            return None
+        calls += found
+        while at < len(text) and (text[at].isspace() or text[at] == ";"):
+            at += 1
+    return calls or None
+
+
+STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream}
+FORMATS = tuple(STREAMS)
+
+
+def call_stream(fmt: str):
+    """A new stream splitter for one choice's output in format `fmt` (one of FORMATS)."""
+    return STREAMS[fmt]()
+
+
+def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished output, as the stream splits it; content None when empty."""
-    stream = HermesCallStream()
+    stream = call_stream(fmt)
     events = stream.feed(text) + stream.finish()
     content = "".join(value for kind, value in events if kind == "content")
     calls = [value for kind, value in events if kind == "call"]
     return (content or None), calls
+
 
 
 def _partial_tag(text: str) -> int:

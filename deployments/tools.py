@@ -14,10 +14,10 @@ or streamed as deltas.
   are sent once the list is complete.
 - tool_choice "auto" (OpenAI's default once tools are given): the model decides, unconstrained,
   and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
-  Qwen2.5/3, Hermes and their fine-tunes; vLLM's `--enable-auto-tool-choice --tool-call-parser
-  hermes`, found here from the served chat template). Text around the calls is the content; with
-  parallel_tool_calls false only the first call counts. Refused where the template shows no format
-  (SmolLM2's): there is nothing to parse.
+  Qwen2.5/3, Hermes and their fine-tunes; Llama 3.1-3.3's JSON calls; vLLM's
+  `--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`, found here from the served
+  chat template). Text around the calls is the content; with parallel_tool_calls false only the
+  first call counts. Refused where the template shows no format (SmolLM2's): nothing to parse.
   "none" generates text as usual.
 All finish with finish_reason "tool_calls" when they called. Errors are ConfigErrors starting
 "field=value", so the API answers 400 naming the field.
@@ -36,7 +36,7 @@ from ponytail import ConfigError
 from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
                               ToolCall, ToolCallDelta, Usage)
 from .protocol import GenerateRequest
-from .tool_parsers import HermesCallStream, parse_hermes
+from .tool_parsers import call_stream, parse
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one of tools>}}"
@@ -102,7 +102,8 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
             return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse (Hermes <tool_call> blocks are read); allowed: {_CHOICES}")
+                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls); "
+                          f"allowed: {_CHOICES}")
     functions = {}
     for tool in tools:
         name = tool.function.name
@@ -164,7 +165,7 @@ def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
     under 'auto', holds no call."""
     if plan.format is not None:
         calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in parse_hermes(text)[1]]
+                 for c in parse(plan.format, text)[1]]
         return (calls if plan.parallel else calls[:1]) or None
     if plan.name is not None:
         try:
@@ -192,7 +193,7 @@ class ToolCallFormat:
         self.plan = plan
         self.pieces: dict[int, list[str]] = {}  # per choice: its output so far
         self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
-        self.streams: dict[int, HermesCallStream] = {}  # per choice under 'auto': its output, split
+        self.streams: dict[int, object] = {}  # per choice under 'auto': its output, split (tool_parsers)
         self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
 
     def call_id(self, index: int) -> str:
@@ -212,12 +213,17 @@ class ToolCallFormat:
     def text(self, index: int, text: str, items=None) -> list[BaseModel]:
         self.pieces.setdefault(index, []).append(text)
         if self.plan.format is not None:  # 'auto': content as it comes, each call once it is closed
-            chunks = self._split(index, self.streams.setdefault(index, HermesCallStream()).feed(text), items)
+            chunks = self._split(index, self._stream(index).feed(text), items)
             return chunks or ([self._chunk(index, ChatDelta(), items=items)] if items else [])
         if self.plan.name is None:  # a list of calls: sent once it is complete
             return []
         return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
             arguments=text))]), items=items)]
+
+    def _stream(self, index: int):
+        if index not in self.streams:
+            self.streams[index] = call_stream(self.plan.format)
+        return self.streams[index]
 
     def _split(self, index: int, events: list, items=None) -> list[BaseModel]:
         chunks = []
@@ -234,7 +240,7 @@ class ToolCallFormat:
 
     def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
         if self.plan.format is not None:
-            chunks = self._split(index, self.streams.setdefault(index, HermesCallStream()).finish())
+            chunks = self._split(index, self._stream(index).finish())
             called = self.calls_sent.get(index, 0) > 0
             return chunks + [self._chunk(index, ChatDelta(), "tool_calls" if called else finish_reason)]
         text = "".join(self.pieces.get(index, []))
@@ -259,7 +265,7 @@ class ToolCallFormat:
             return choice
         if self.plan.name is not None:
             calls[0].id = self.call_id(index)
-        content = parse_hermes(text)[0] if self.plan.format is not None else None
+        content = parse(self.plan.format, text)[0] if self.plan.format is not None else None
         return choice.model_copy(update={"message": ChatMessage(content=content, tool_calls=calls),
                                          "finish_reason": "tool_calls"})
 

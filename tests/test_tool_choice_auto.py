@@ -1,8 +1,8 @@
 """tool_choice "auto" through the API and the official openai client, over a backend that writes a script.
 
-The served chat template writes Hermes tool calls (ModelInfo.tool_call_format), the backend's
-output is fixed text cut into pieces, and the answer's calls and content must come out the same
-whole and streamed. A template without a format refuses "auto" (tests/test_structured_api.py).
+The served chat template writes Hermes (or Llama 3 JSON) tool calls (ModelInfo.tool_call_format),
+the backend's output is fixed text cut into pieces, and the answer's calls and content must come
+out the same whole and streamed. A template without a format refuses "auto" (tests/test_structured_api.py).
 """
 
 import json
@@ -141,3 +141,22 @@ def test_a_template_without_a_format_refuses_auto_naming_the_field():
     assert "no tool-call format" in body["message"] and "<tool_call>" in body["message"]
     assert "'required'" in body["message"]  # what is allowed instead
     assert not backend.requests
+
+
+def test_llama3_json_calls_whole_and_streamed():
+    backend = ScriptedBackend(tool_call_format="llama3_json")
+    backend.script = ["<|python_tag|>", '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+                      '; {"name": "get_time", "parameters": {}}']
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            choice = ask(client).choices[0]
+            chunks = [c for c in ask(client, stream=True) if c.choices]
+            backend.script = ["Paris ", "is sunny."]
+            text = ask(client).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    streamed = [(d.function.name, d.function.arguments) for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert streamed == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert (text.finish_reason, text.message.content, text.message.tool_calls) == ("stop", "Paris is sunny.", None)
