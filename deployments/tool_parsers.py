@@ -84,7 +84,7 @@ class HermesCallStream:
         self._held = ""  # content not sent yet: a possible start of OPEN
         self._blank = ""  # content not sent yet: trailing whitespace
         self._body: list[str] | None = None  # inside a block: its body so far
-        self.num_calls = 0
+        self._called_any = False  # a call went out: trailing whitespace is not content
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         events: list[tuple[str, object]] = []
@@ -123,7 +123,7 @@ class HermesCallStream:
             else:
                 self._content(events, OPEN + body)
         self._content(events, self._held)
-        if self._blank and not self.num_calls:
+        if self._blank and not self._called_any:
             events.append(("content", self._blank))
         self._held = self._blank = ""
         return events
@@ -137,7 +137,7 @@ class HermesCallStream:
             self._called(events, calls)
 
     def _called(self, events: list, calls: list[ParsedCall]) -> None:
-        self.num_calls += len(calls)
+        self._called_any = True
         events.extend(("call", call) for call in calls)
 
     def _content(self, events: list, text: str) -> None:
@@ -155,7 +155,6 @@ class Llama3JsonCallStream:
     def __init__(self):
         self._held = ""  # the output so far, while it may be calls
         self._text = False  # it is text: pieces go out as they come
-        self.num_calls = 0
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         if self._text:
@@ -172,7 +171,6 @@ class Llama3JsonCallStream:
         held, self._held = self._held, ""
         calls = None if self._text else _json_calls(held.strip().removeprefix(PYTHON_TAG).lstrip())
         if calls:
-            self.num_calls += len(calls)
             return [("call", call) for call in calls]
         return [("content", held)] if held else []
 

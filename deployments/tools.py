@@ -161,12 +161,8 @@ def _call_id() -> str:
 
 
 def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The tool calls in a finished output; None when it is not complete JSON (max_tokens hit) or,
-    under 'auto', holds no call."""
-    if plan.format is not None:
-        calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
-                 for c in parse(plan.format, text)[1]]
-        return (calls if plan.parallel else calls[:1]) or None
+    """The tool calls in a finished constrained output ('required' or a named tool); None when it is
+    not complete JSON (max_tokens hit)."""
     if plan.name is not None:
         try:
             json.loads(text)
@@ -191,7 +187,7 @@ class ToolCallFormat:
         self.common = chat_format.common
         self.chat_format = chat_format
         self.plan = plan
-        self.pieces: dict[int, list[str]] = {}  # per choice: its output so far
+        self.pieces: dict[int, list[str]] = {}  # per choice: its output so far (constrained plans)
         self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
         self.streams: dict[int, object] = {}  # per choice under 'auto': its output, split (tool_parsers)
         self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
@@ -211,10 +207,10 @@ class ToolCallFormat:
         return chunks
 
     def text(self, index: int, text: str, items=None) -> list[BaseModel]:
-        self.pieces.setdefault(index, []).append(text)
         if self.plan.format is not None:  # 'auto': content as it comes, each call once it is closed
             chunks = self._split(index, self._stream(index).feed(text), items)
             return chunks or ([self._chunk(index, ChatDelta(), items=items)] if items else [])
+        self.pieces.setdefault(index, []).append(text)
         if self.plan.name is None:  # a list of calls: sent once it is complete
             return []
         return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
@@ -260,12 +256,16 @@ class ToolCallFormat:
 
     def choice(self, index: int, text: str, finish_reason: str | None, items=None) -> ChatChoice:
         choice = self.chat_format.choice(index, text, finish_reason, items)
-        calls = parse_calls(self.plan, text)
+        if self.plan.format is not None:  # 'auto': calls and the text around them, read once
+            content, parsed = parse(self.plan.format, text)
+            calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                     for c in (parsed if self.plan.parallel else parsed[:1])] or None
+        else:
+            content, calls = None, parse_calls(self.plan, text)
         if calls is None:
             return choice
         if self.plan.name is not None:
             calls[0].id = self.call_id(index)
-        content = parse(self.plan.format, text)[0] if self.plan.format is not None else None
         return choice.model_copy(update={"message": ChatMessage(content=content, tool_calls=calls),
                                          "finish_reason": "tool_calls"})
 

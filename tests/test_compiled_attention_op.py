@@ -9,6 +9,7 @@ import torch
 
 import ponytail  # noqa: F401  (registers the op)
 from ponytail.attention import compiled_op
+from ponytail.attention.hf_cache_base import PagedCacheBase
 
 
 class RecordingCache:
@@ -28,6 +29,8 @@ class RecordingCache:
 
     def abandon_step(self):
         self.abandoned += 1
+
+    attend_or_abandon = PagedCacheBase.attend_or_abandon  # the step caches' own wrapper around attend()
 
 
 def qkv(tokens: int = 5, heads: int = 4, head_dim: int = 8):

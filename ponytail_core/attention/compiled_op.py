@@ -58,11 +58,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     if call is None:
         raise RuntimeError("ponytail::attention runs inside a compiled layer's call (runner/compile.py), "
                            "which names the cache and the layer; none is active")
-    try:
-        out = call.cache.attend(call.layer_idx, call.module, query, key, value, mask, scale, sliding_window)
-    except BaseException:
-        call.cache.abandon_step()
-        raise
+    out = call.cache.attend_or_abandon(call.layer_idx, call.module, query, key, value, mask, scale, sliding_window)
     return out.contiguous()  # the strides the fake below promises
 
 

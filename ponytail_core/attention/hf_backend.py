@@ -26,21 +26,20 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if owner is None:  # no Ponytail cache: the model runs as it did before create_cache
         return hf_fallback.run_previous(module, query, key, value, attention_mask, dropout=dropout,
                                         scaling=scaling, **kwargs)
-    attention_mask = hf_fallback.padding_mask(attention_mask)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
     cache, layer_idx = owner
     # A compiled layer passes layer_idx 0 to the cache (runner/compile.py: one trace for every
     # layer); its attention module holds the real index here.
     layer_idx = vars(module).get(LAYER_INDEX_ATTR, layer_idx)  # no nn.Module __getattr__ miss per call
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    try:
-        out = cache.attend(layer_idx, module, query, key, value, attention_mask, scale,
-                           kwargs.get("sliding_window"))
-    except BaseException:
-        cache.abandon_step()
-        raise
+    out = cache.attend_or_abandon(layer_idx, module, query, key, value, hf_fallback.padding_mask(attention_mask),
+                                  _scale(query, scaling, kwargs), kwargs.get("sliding_window"))
     return out, None
+
+
+def _scale(query: torch.Tensor, scaling: float | None, kwargs: dict) -> float:
+    """The softmax scale transformers asked for (1/sqrt(head_dim) unset); refuses softcapping."""
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
+    return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
 _eager_in_compiled_models = torch.compiler.disable(ponytail_attention_forward)
@@ -55,11 +54,8 @@ def compiled_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     if not kwargs.get(compiled_op.COMPILED_CALL):
         return _eager_in_compiled_models(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.ponytail.attention(query, key, value, hf_fallback.padding_mask(attention_mask), scale,
-                                       kwargs.get("sliding_window"))
+    out = torch.ops.ponytail.attention(query, key, value, hf_fallback.padding_mask(attention_mask),
+                                       _scale(query, scaling, kwargs), kwargs.get("sliding_window"))
     return out, None
 
 

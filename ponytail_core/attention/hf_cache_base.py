@@ -107,6 +107,15 @@ class PagedCacheBase(Cache):
         """Write this layer's new K/V and return attention output [B, T, Hq, D]."""
         raise NotImplementedError
 
+    def attend_or_abandon(self, layer_idx: int, module, query, key, value, attention_mask, scale: float,
+                          sliding_window: int | None) -> torch.Tensor:
+        """attend(), and abandon_step() if it raises: a failed forward pass leaves no half-written step."""
+        try:
+            return self.attend(layer_idx, module, query, key, value, attention_mask, scale, sliding_window)
+        except BaseException:
+            self.abandon_step()
+            raise
+
     def abandon_step(self) -> None:
         """A forward pass failed inside attention: undo what would leave the cache inconsistent."""
         self._awaiting_attention = None
