@@ -34,7 +34,23 @@ def default_model():
     """
     from ponytail.models.loader import load_model
 
-    return load_model()
+    model, tokenizer = load_model()
+    _DEFAULT_ATTENTION["model"], _DEFAULT_ATTENTION["loaded_with"] = model, model.config._attn_implementation
+    return model, tokenizer
+
+
+# The session's default model and the attention it was loaded with, once a test has loaded it.
+_DEFAULT_ATTENTION: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _default_model_attention_restored_after_module():
+    """A module-scoped engine on the shared default model keeps Ponytail's attention set through
+    its module (the per-test restore below sees it already set); the modules after must not."""
+    yield
+    model = _DEFAULT_ATTENTION.get("model")
+    if model is not None and model.config._attn_implementation != _DEFAULT_ATTENTION["loaded_with"]:
+        model.set_attn_implementation(_DEFAULT_ATTENTION["loaded_with"])
 
 
 @pytest.fixture(autouse=True)
