@@ -158,7 +158,8 @@ def router_arguments(settings: AppArgs) -> dict:
     """request_router_kwargs for the chosen router (Serve's own takes none)."""
     blocks = {"max_hold_s": float(settings.max_hold_s), "admission": settings.router_admission}
     if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
-        return {**blocks, "prefix_weight": float(settings.prefix_weight), "model": settings.model}
+        return {**blocks, "prefix_weight": float(settings.prefix_weight), "model": settings.model,
+                "chat_template": settings.chat_template}
     return blocks if settings.router == "kv_blocks" else {}
 
 

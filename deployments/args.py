@@ -33,6 +33,10 @@ CPU_MAX_NUM_SEQS = 64
 CPU_TARGET_ONGOING = 16
 
 
+def _is_template(text: str) -> bool:
+    return "{{" in text or "{%" in text
+
+
 class AppArgs(BaseModel):
     """The `args:` of app.yaml (all optional); `description` is the CLI's help for each."""
 
@@ -117,6 +121,13 @@ class AppArgs(BaseModel):
         "auto", description="auto: requests that leave temperature, top_p, top_k, min_p or repetition_penalty "
                             "unset get the model's generation_config.json values (vLLM's default); ponytail: "
                             "SamplingParams' own defaults")
+    chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
+                                      "served instead of the tokenizer's (vLLM's --chat-template); a file is read "
+                                      "where the app is built, so replicas on other nodes need no copy")
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "none"] = Field(
+        "auto", description="how tool_choice auto reads calls from the model's text (vLLM's --tool-call-parser): "
+                            "auto finds the format from the chat template (<tool_call>: hermes, <|python_tag|>: "
+                            "llama3_json, neither: auto refused); none reads no calls")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
@@ -144,7 +155,7 @@ class AppArgs(BaseModel):
                                                 "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
-                                                "generation_config")
+                                                "generation_config", "chat_template", "tool_call_parser")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 
@@ -154,6 +165,23 @@ class AppArgs(BaseModel):
         if value not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device={value!r} is not supported; allowed: auto, cuda, cpu")
         return value
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, value: str | None) -> str | None:
+        """The template's text: a path is read here, on the machine that builds the app."""
+        if value is None or _is_template(value):
+            return value
+        path = os.path.expanduser(value)
+        if not os.path.isfile(path):
+            raise ValueError(f"chat_template={value!r} is neither a file here nor a Jinja template (no '{{{{' or "
+                             "'{%'); allowed: a template's text or the path of a file holding one")
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+        if not _is_template(text):
+            raise ValueError(f"chat_template={value!r}: the file holds no Jinja template (no '{{{{' or '{{%'); "
+                             "allowed: a template's text or the path of a file holding one")
+        return text
 
     @field_validator("router_admission")
     @classmethod

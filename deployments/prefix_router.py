@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 import ponytail
 
 from .prefix_index import PrefixIndex
-from .prompts import prompt_token_ids, tokenizer_fingerprint
+from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template
 from .segment_tokens import SegmentCache
 from .protocol import STAT_CACHED_BLOCKS, GenerateRequest
 from .router import KVBlockRouter, Placement, Report, blocks_needed, read_report, request_tokens
@@ -81,10 +81,11 @@ class PrefixAffinityRouter(KVBlockRouter):
         self._indexes: dict[ReplicaID, PrefixIndex] = {}
 
     def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
-                         tokenize: bool = True, tokenizer: Any = None, **rest):
+                         tokenize: bool = True, tokenizer: Any = None, chat_template: str | None = None, **rest):
         """Takes KVBlockRouter's request_router_kwargs and prefix_weight (>= 0; 0 ranks like
         KVBlockRouter with cached blocks not counted twice), model (whose tokenizer to load),
-        tokenize (False: hash token-id prompts only), tokenizer (tests: one already loaded)."""
+        tokenize (False: hash token-id prompts only), tokenizer (tests: one already loaded),
+        chat_template (the app's, which the replicas serve instead of the tokenizer's)."""
         super().initialize_state(**rest)
         if prefix_weight is not None:
             number = isinstance(prefix_weight, (int, float)) and not isinstance(prefix_weight, bool)
@@ -99,6 +100,7 @@ class PrefixAffinityRouter(KVBlockRouter):
             # two this takes; every chat or text prompt after it is hashed as the engine will run it.
             self._load_tokenizer()
         if self.tokenizer is not None:
+            use_chat_template(self.tokenizer, chat_template)
             self._fingerprint = tokenizer_fingerprint(self.tokenizer)
             self.segments = SegmentCache(self.tokenizer)  # a session's earlier turns are not tokenized again
 

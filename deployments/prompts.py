@@ -10,6 +10,28 @@ from .protocol import GenerateRequest
 from .segment_tokens import SegmentCache
 
 
+def use_chat_template(tokenizer: Any, template: str | None) -> None:
+    """Serve `template` (the app's chat_template) instead of the tokenizer's own; a template that does
+    not compile is a ConfigError at start-up, not a 500 on every chat request."""
+    if template is None:
+        return
+    import jinja2
+    from ponytail import ConfigError
+
+    if tokenizer is None:
+        raise ConfigError("chat_template is set, but the model has no tokenizer to apply it with; allowed: "
+                          "a model with a tokenizer, or no chat_template")
+    tokenizer.chat_template = template
+    try:
+        tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                      tokenize=False)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ConfigError(f"chat_template does not compile: line {exc.lineno}: {exc.message}; allowed: a Jinja "
+                          "chat template (its text, or the path of a file holding one)") from None
+    except jinja2.TemplateError:  # compiles; it refuses this one conversation (raise_exception), as templates may
+        pass
+
+
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None, segments: SegmentCache | None = None) -> list[int]:
     """The chat template applied with the generation prompt (and the tool definitions), as token ids;

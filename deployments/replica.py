@@ -20,8 +20,8 @@ from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import prompt_token_ids, tokenizer_fingerprint
-from .tool_parsers import tool_call_format
+from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template
+from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
                        STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest,
@@ -44,17 +44,22 @@ class EngineReplica:
                  keep_prefix_cache: bool = True, engine_process: bool | None = None,
                  prefill_delay_factor: float | None = None, generation_config: str = "auto",
                  fuse_projections: bool | None = None, prefill_attention: str | None = None,
-                 column_major_weights: bool | None = None):
+                 column_major_weights: bool | None = None, chat_template: str | None = None,
+                 tool_call_parser: str = "auto"):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
         short name, e.g. SmolLM2-135M-Instruct). engine_process: the engine's step loop in a child
         process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU. generation_config:
         "auto" fills the sampling fields a request leaves unset from the model's generation_config.json
-        (generation_defaults.py), "ponytail" leaves SamplingParams' defaults."""
+        (generation_defaults.py), "ponytail" leaves SamplingParams' defaults. chat_template: the template's
+        text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS."""
         if generation_config not in ("auto", "ponytail"):  # before seconds of loading
             raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
                                        "(the model's generation_config.json fills unset sampling fields), ponytail")
+        if tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ponytail.ConfigError(f"tool_call_parser={tool_call_parser!r} is not supported; allowed: "
+                                       f"{', '.join(TOOL_CALL_PARSERS)}")
         llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
@@ -75,6 +80,7 @@ class EngineReplica:
             self.async_llm = ponytail.AsyncLLM(self.llm, stream_interval_s=stream_interval_s,
                                                max_deltas_per_s=max_deltas_per_s)
         self.tokenizer = self.llm.tokenizer
+        use_chat_template(self.tokenizer, chat_template)
         self.token_texts = TokenTexts(self.tokenizer)
         root = tokenizer_source(self.tokenizer)
         short = os.path.basename(str(model).rstrip("/")) if model else DEFAULT_MODEL_ID
@@ -89,7 +95,8 @@ class EngineReplica:
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
                               device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [],
-                              tool_call_format=tool_call_format(getattr(self.tokenizer, "chat_template", None)))
+                              tool_call_format=served_tool_call_format(
+                                  tool_call_parser, getattr(self.tokenizer, "chat_template", None)))
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len

@@ -31,6 +31,20 @@ OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 
 
+# What an operator may set as tool_call_parser (vLLM's --tool-call-parser): "auto" finds the format
+# from the served template, "none" reads no calls (tool_choice "auto" refused), a format forces it.
+TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, "none")
+
+
+def served_tool_call_format(parser: str, chat_template) -> str | None:
+    """The format tool_choice "auto" reads under the operator's `parser` (TOOL_CALL_PARSERS)."""
+    if parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser={parser!r} is not supported; allowed: {', '.join(TOOL_CALL_PARSERS)}")
+    if parser == "auto":
+        return tool_call_format(chat_template)
+    return None if parser == "none" else parser
+
+
 def tool_call_format(chat_template) -> str | None:
     """The tool-call format a chat template writes (HERMES, LLAMA3_JSON), or None where it shows
     none. `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""

@@ -102,7 +102,8 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
             return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls); "
+                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls; "
+                          f"the server's tool_call_parser may name one) or the server reads none; "
                           f"allowed: {_CHOICES}")
     functions = {}
     for tool in tools:
