@@ -57,7 +57,8 @@ def main() -> int:
         build_thin(args.files, args.model, args.thin_layers)
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # steady timings on a shared CPU
-    llm = ponytail.LLM(args.model, compile_model=True, max_num_seqs=64, max_model_len=1024)
+    # No prefill delay: a mixed step must carry its prompt (the delay would hold it for a later step).
+    llm = ponytail.LLM(args.model, compile_model=True, max_num_seqs=64, max_model_len=1024, prefill_delay_factor=0.0)
     engine = llm.engine
 
     def params(n: int) -> ponytail.SamplingParams:
