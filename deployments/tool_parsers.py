@@ -1,7 +1,7 @@
 """Tool calls a model writes in its own format, for tool_choice "auto": found in its output, whole or streamed.
 
 With "auto" the model decides between text and calls, so nothing constrains its output: the calls
-are whatever its chat template taught it to write. Two formats are read here (`tool_call_format`
+are whatever its chat template taught it to write. Three formats are read here (`tool_call_format`
 finds which from the served template; other templates, SmolLM2's, have none and "auto" is refused
 for them in tools.py):
 
@@ -16,6 +16,12 @@ for them in tools.py):
   `;`, after an optional `<|python_tag|>`. `Llama3JsonCallStream` holds an answer that opens with
   `{` or the tag until it ends (then it is calls if it all parses, else text as written); any
   other answer streams as text.
+- "mistral" (the template has `[TOOL_CALLS]`; vLLM's `mistral`): text, then the tag and the calls
+  to the end of the answer: a JSON list of {"name", "arguments"} before v11 tokenizers
+  (Mistral-7B-Instruct-v0.3), `name[ARGS]{...}` after each tag from v11 (Mistral Small 3.x).
+  `MistralCallStream` streams the text before the tag and holds the rest to the end (calls if it
+  all parses, else text as written). Mistral's templates take only 9-character call ids
+  (tools.py makes them so).
 
 Each format's `parse` reads a finished output with its stream class, so a stream and the whole
 answer agree wherever the deltas are cut.
@@ -24,16 +30,19 @@ answer agree wherever the deltas are cut.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
-HERMES, LLAMA3_JSON = "hermes", "llama3_json"
+HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI allows a function's name
 
 
 # What an operator may set as tool_call_parser (vLLM's --tool-call-parser): "auto" finds the format
 # from the served template, "none" reads no calls (tool_choice "auto" refused), a format forces it.
-TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, "none")
+TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, MISTRAL, "none")
 
 
 def served_tool_call_format(parser: str, chat_template) -> str | None:
@@ -46,14 +55,16 @@ def served_tool_call_format(parser: str, chat_template) -> str | None:
 
 
 def tool_call_format(chat_template) -> str | None:
-    """The tool-call format a chat template writes (HERMES, LLAMA3_JSON), or None where it shows
-    none. `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""
+    """The tool-call format a chat template writes (HERMES, LLAMA3_JSON, MISTRAL), or None where it
+    shows none. `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
     if any(OPEN in t for t in templates):
         return HERMES
     if any(PYTHON_TAG in t for t in templates):
         return LLAMA3_JSON
+    if any(TOOL_CALLS in t for t in templates):
+        return MISTRAL
     return None
 
 
@@ -190,14 +201,14 @@ class Llama3JsonCallStream:
 
 
 def _json_calls(text: str) -> list[ParsedCall] | None:
-    """`{...}; {...}` as calls; None unless every part is a call object."""
+    """`{...}; {...}` (or JSON lists of such objects) as calls; None unless every part is a call object."""
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(text):
         try:
             item, at = decoder.raw_decode(text, at)
         except ValueError:
             return None
-        found = _call_items([item])
+        found = _call_items(item if isinstance(item, list) else [item])
         if found is None:
             return None
         calls += found
@@ -206,7 +217,69 @@ def _json_calls(text: str) -> list[ParsedCall] | None:
     return calls or None
 
 
-STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream}
+class MistralCallStream:
+    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events, in order:
+    text before the first TOOL_CALLS streams as content (less a tail that may start the tag, and
+    trailing whitespace, which waits for more text); from the tag on the output is held to its
+    end and is calls if it all parses (`mistral_calls`), else content as written."""
+
+    def __init__(self):
+        self._held = ""  # content not sent yet: a possible start of TOOL_CALLS, or trailing whitespace
+        self._calls: str | None = None  # from the first TOOL_CALLS on: the output so far
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        if self._calls is not None:
+            self._calls += text
+            return []
+        text = self._held + text
+        start = text.find(TOOL_CALLS)
+        if start >= 0:  # the whitespace before the tag is content only if no calls follow
+            before = text[:start].rstrip()
+            self._held, self._calls = text[len(before):start], text[start:]
+            return self._content(before)
+        sent = text[:len(text) - _partial_tag(text, TOOL_CALLS)].rstrip()  # a tag's start, and blanks before
+        self._held = text[len(sent):]
+        return self._content(sent)
+
+    def finish(self) -> list[tuple[str, object]]:
+        held, self._held = self._held, ""
+        if self._calls is None:
+            return self._content(held)
+        text, self._calls = self._calls, None
+        calls = mistral_calls(text)
+        return [("call", call) for call in calls] if calls else self._content(held + text)
+
+    @staticmethod
+    def _content(text: str) -> list[tuple[str, object]]:
+        return [("content", text)] if text else []
+
+
+def mistral_calls(text: str) -> list[ParsedCall] | None:
+    """Calls after Mistral's TOOL_CALLS tags, as its tokenizers write them: before v11 one JSON list
+    (or object) of {"name", "arguments"}; from v11 one `name[ARGS]{...}` (or `name{...}`, an optional
+    `[CALL_ID]id` after the name) per tag. None unless every part parses."""
+    calls: list[ParsedCall] = []
+    for part in text.split(TOOL_CALLS)[1:]:
+        part = part.strip()
+        if part.startswith(("[", "{")):
+            found = _json_calls(part)
+        else:
+            name, _, arguments = part.partition("{")
+            name = name.replace(ARGS, "").split(CALL_ID)[0].strip()
+            found = None
+            if _FUNCTION_NAME.fullmatch(name) and arguments:
+                try:
+                    value = json.loads("{" + arguments)
+                except ValueError:
+                    value = None
+                found = _call_items([{"name": name, "arguments": value}]) if isinstance(value, dict) else None
+        if found is None:
+            return None
+        calls += found
+    return calls or None
+
+
+STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream, MISTRAL: MistralCallStream}
 FORMATS = tuple(STREAMS)
 
 
@@ -225,9 +298,9 @@ def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
 
 
 
-def _partial_tag(text: str) -> int:
-    """Length of the longest tail of `text` that OPEN starts with (held back, it may be a tag)."""
-    for size in range(min(len(text), len(OPEN) - 1), 0, -1):
-        if OPEN.startswith(text[-size:]):
+def _partial_tag(text: str, tag: str = OPEN) -> int:
+    """Length of the longest tail of `text` that `tag` starts with (held back, it may be a tag)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
             return size
     return 0

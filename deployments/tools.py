@@ -14,9 +14,9 @@ or streamed as deltas.
   are sent once the list is complete.
 - tool_choice "auto" (OpenAI's default once tools are given): the model decides, unconstrained,
   and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
-  Qwen2.5/3, Hermes and their fine-tunes; Llama 3.1-3.3's JSON calls; vLLM's
-  `--enable-auto-tool-choice --tool-call-parser hermes|llama3_json`, found here from the served
-  chat template). Text around the calls is the content; with parallel_tool_calls false only the
+  Qwen2.5/3, Hermes and their fine-tunes; Llama 3.1-3.3's JSON calls; Mistral's `[TOOL_CALLS]`;
+  vLLM's `--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral`, found here
+  from the served chat template). Text around the calls is the content; with parallel_tool_calls false only the
   first call counts. Refused where the template shows no format (SmolLM2's): nothing to parse.
   "none" generates text as usual.
 All finish with finish_reason "tool_calls" when they called. Errors are ConfigErrors starting
@@ -25,7 +25,10 @@ All finish with finish_reason "tool_calls" when they called. Errors are ConfigEr
 
 from __future__ import annotations
 
+import hashlib
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass
 
@@ -36,7 +39,7 @@ from ponytail import ConfigError
 from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
                               ToolCall, ToolCallDelta, Usage)
 from .protocol import GenerateRequest
-from .tool_parsers import call_stream, parse
+from .tool_parsers import MISTRAL, call_stream, parse
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one of tools>}}"
@@ -57,12 +60,14 @@ def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
     request; returns the ToolPlan when the answer may be tool calls. tool_format: the format the
     served chat template writes calls in (ModelInfo.tool_call_format). ConfigError names the field."""
     tools = req.tools or []
+    if tool_format is not None:  # earlier calls as the template writes them, with tools given or not
+        _arguments_as_objects(generate.messages)
+        if tool_format == MISTRAL:
+            _nine_character_ids(generate.messages)
     if tools:
         generate.tools = [tool.model_dump(exclude_none=True) for tool in tools]
         if tool_format is None:
             _describe_earlier_calls(generate.messages)
-        else:
-            _arguments_as_objects(generate.messages)
     elif req.tool_choice is not None and req.tool_choice != "none":
         raise ConfigError(f"tool_choice={_show(req.tool_choice)} is invalid without tools; "
                           "allowed: give tools, or leave tool_choice out")
@@ -102,8 +107,9 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
             return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls; "
-                          f"the server's tool_call_parser may name one) or the server reads none; "
+                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls, "
+                          f"Mistral's [TOOL_CALLS]; the server's tool_call_parser may name one) or the server reads "
+                          f"none; "
                           f"allowed: {_CHOICES}")
     functions = {}
     for tool in tools:
@@ -157,8 +163,30 @@ def _show(choice) -> str:
     return repr(choice.model_dump() if isinstance(choice, BaseModel) else choice)
 
 
-def _call_id() -> str:
+def _call_id(fmt: str | None = None) -> str:
+    if fmt == MISTRAL:  # Mistral's templates refuse any other id: 9 letters or digits
+        return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+
+
+def _nine_character_ids(messages: list[dict] | None) -> None:
+    """Earlier calls' ids as Mistral's templates take them (9 letters or digits, else the template
+    raises): an id of another shape is replaced by a digest of it, the same in the assistant's call
+    and in the tool message that answers it."""
+    def short(call_id):
+        if not isinstance(call_id, str) or (len(call_id) == 9 and call_id.isascii() and call_id.isalnum()):
+            return call_id
+        return hashlib.sha256(call_id.encode()).hexdigest()[:9]
+
+    for message in messages or []:
+        for call in message.get("tool_calls") or []:
+            if isinstance(call, dict) and "id" in call:
+                call["id"] = short(call["id"])
+        if "tool_call_id" in message:
+            message["tool_call_id"] = short(message["tool_call_id"])
 
 
 def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
@@ -230,7 +258,7 @@ class ToolCallFormat:
             elif self.plan.parallel or not self.calls_sent.get(index):
                 number = self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
                 chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
-                    index=number - 1, id=_call_id(), type="function",
+                    index=number - 1, id=_call_id(self.plan.format), type="function",
                     function=FunctionCallDelta(name=value.name, arguments=value.arguments))]), items=items))
             items = None  # a piece's logprobs go out once, with its first chunk
         return chunks
@@ -259,7 +287,7 @@ class ToolCallFormat:
         choice = self.chat_format.choice(index, text, finish_reason, items)
         if self.plan.format is not None:  # 'auto': calls and the text around them, read once
             content, parsed = parse(self.plan.format, text)
-            calls = [ToolCall(id=_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+            calls = [ToolCall(id=_call_id(self.plan.format), function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in (parsed if self.plan.parallel else parsed[:1])] or None
         else:
             content, calls = None, parse_calls(self.plan, text)

@@ -12,6 +12,7 @@ import threading
 import time
 from enum import Enum
 
+import jinja2
 import pytest
 
 pytest.importorskip("xgrammar")
@@ -25,7 +26,7 @@ from deployments.local_server import serve_on_loopback  # noqa: E402
 from deployments.openai_api import build_app  # noqa: E402
 from deployments.openai_protocol import ChatCompletionRequest, to_generate_request  # noqa: E402
 from deployments.prompts import chat_token_ids  # noqa: E402
-from deployments.tool_parsers import HERMES, tool_call_format  # noqa: E402
+from deployments.tool_parsers import HERMES, MISTRAL, tool_call_format  # noqa: E402
 from deployments.tools import plan_structured  # noqa: E402
 from deployments.protocol import ModelInfo  # noqa: E402
 from deployments.logprobs import TokenTexts  # noqa: E402
@@ -314,3 +315,36 @@ def test_earlier_calls_render_as_objects_in_a_tool_format_template(hermes_tokeni
     text = hermes_tokenizer.decode(chat_token_ids(hermes_tokenizer, generate.messages, generate.tools))
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text  # not quoted twice
     assert text.count("get_weather") == 2  # in the tool list and in the call
+
+
+# Like Mistral-7B-Instruct-v0.3's template where it matters here: calls after [TOOL_CALLS], and any
+# call id but 9 characters raised as an error.
+MISTRAL_TEMPLATE = """{%- if tools %}[AVAILABLE_TOOLS] {{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}
+{%- for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }}[/INST]
+{%- elif m.tool_calls %}[TOOL_CALLS] [{% for c in m.tool_calls %}{% if c.id | length != 9 %}
+{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}
+{{- '{"name": "' + c.function.name + '", "arguments": ' + c.function.arguments | tojson + ', "id": "' + c.id + '"}' }}
+{%- endfor %}]</s>{% elif m.role == 'tool' %}{% if m.tool_call_id | length != 9 %}
+{{- raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}
+{{- '[TOOL_RESULTS] {"content": ' + m.content | tojson + ', "call_id": "' + m.tool_call_id + '"}[/TOOL_RESULTS]' }}
+{%- else %}{{ m.content }}</s>{% endif %}{% endfor %}"""
+
+
+def test_earlier_calls_with_long_ids_render_in_a_mistral_template(replica):
+    tokenizer = copy.deepcopy(replica.tokenizer)
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    assert tool_call_format(tokenizer.chat_template) == MISTRAL
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_9f8e7d6c5b4a", "type": "function",
+                                                               "function": {"name": "get_weather",
+                                                                            "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_9f8e7d6c5b4a", "content": "18 degrees"}]
+    req = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])
+    with pytest.raises(jinja2.TemplateError, match="length 9"):  # the client's ids as they came
+        chat_token_ids(tokenizer, to_generate_request(req, "r").messages)
+    generate = to_generate_request(req, "r")
+    plan_structured(req, generate, MISTRAL)
+    text = tokenizer.decode(chat_token_ids(tokenizer, generate.messages, generate.tools))
+    call_id = generate.messages[1]["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and f'"id": "{call_id}"' in text and f'"call_id": "{call_id}"' in text
+    assert '"arguments": {"city": "Paris"}' in text  # an object, not quoted twice

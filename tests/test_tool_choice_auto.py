@@ -160,3 +160,46 @@ def test_llama3_json_calls_whole_and_streamed():
     assert streamed == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
     assert not "".join(c.choices[0].delta.content or "" for c in chunks)
     assert (text.finish_reason, text.message.content, text.message.tool_calls) == ("stop", "Paris is sunny.", None)
+
+
+def test_mistral_calls_get_nine_character_ids_and_earlier_ids_are_made_so():
+    """Mistral's templates raise on any call id but 9 letters or digits: the calls it writes get
+    such ids, and an earlier call's id of another shape reaches the template as one digest, the same
+    in the assistant's call and in the tool message that answers it."""
+    backend = ScriptedBackend(tool_call_format="mistral")
+    backend.script = ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}', '[TOOL_CALLS]get_time[ARGS]{}']
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_0123456789abcdef", "type": "function",
+                                                               "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_0123456789abcdef", "content": "noon"}]
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            whole = ask(client, messages=history).choices[0]
+            chunks = [c for c in ask(client, stream=True) if c.choices]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    streamed = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in streamed] == [(0, "get_weather"), (1, "get_time")]
+    for call in whole.message.tool_calls + streamed:
+        assert len(call.id) == 9 and call.id.isalnum(), call.id
+    earlier = backend.requests[0].messages
+    call_id = earlier[1]["tool_calls"][0]["id"]
+    assert len(call_id) == 9 and call_id.isalnum() and earlier[2]["tool_call_id"] == call_id
+    assert earlier[1]["tool_calls"][0]["function"]["arguments"] == {}  # an object, as with the other formats
+
+
+def test_earlier_calls_reach_the_template_as_objects_without_tools_in_the_request(served):
+    """A follow-up that leaves the tools out (the model is to answer, not call) still renders the
+    history's calls as the template writes them."""
+    backend, client = served
+    backend.script = ["18 degrees."]
+    messages = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    answer = client.chat.completions.create(model=MODEL, messages=messages).choices[0]
+    assert answer.message.content == "18 degrees."
+    request = backend.requests[-1]
+    assert not request.tools and request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    assert request.messages[1]["tool_calls"][0]["id"] == "call_1"  # other formats keep the client's ids

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.tool_parsers import (HERMES, LLAMA3_JSON, PYTHON_TAG, HermesCallStream, ParsedCall, call_stream,
+from deployments.tool_parsers import (HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, TOOL_CALLS, HermesCallStream, ParsedCall, call_stream,
                                       parse, tool_call_format)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -88,11 +88,16 @@ LLAMA3_TEXTS = st.lists(st.sampled_from([" ", "\n", PYTHON_TAG, "<|py", LLAMA3_C
                                          '{"name": "f"}']), max_size=8).map("".join)
 
 
+MISTRAL_TEXTS = st.lists(st.sampled_from([" ", "\n", "Sure.", TOOL_CALLS, "[TOOL", "_CALLS]", "get_weather", "[ARGS]",
+                                          '{"city": "Paris"}', '[{"name": "f", "arguments": {}}]', "{", "x"]),
+                         max_size=10).map("".join)
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cuts=st.lists(st.floats(min_value=0, max_value=1), max_size=8))
 def test_a_stream_cut_anywhere_gives_the_whole_answer(data, cuts):
-    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON]))
-    text = data.draw(TEXTS if fmt == HERMES else LLAMA3_TEXTS)
+    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL]))
+    text = data.draw({HERMES: TEXTS, LLAMA3_JSON: LLAMA3_TEXTS, MISTRAL: MISTRAL_TEXTS}[fmt])
     bounds = sorted({0, len(text), *(int(c * len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     content, calls, events = streamed(pieces, fmt)
@@ -126,3 +131,34 @@ def test_llama3_text_streams_at_once_and_calls_wait_for_the_end():
     call = call_stream(LLAMA3_JSON)
     assert call.feed("<|py") == [] and call.feed('thon_tag|>{"name": "f", ') == []
     assert call.feed('"parameters": {}}') == [] and call.finish() == [("call", ParsedCall("f", "{}"))]
+
+
+def mistral(text):
+    return parse(MISTRAL, text)
+
+
+def test_mistral_calls_before_and_from_v11():
+    weather = ParsedCall("get_weather", '{"city": "Paris"}')
+    assert tool_call_format("{{ '[AVAILABLE_TOOLS]' }}{% if m.tool_calls %}[TOOL_CALLS] [{% endif %}") == MISTRAL
+    # Before v11 (Mistral-7B-Instruct-v0.3): one JSON list after the tag.
+    assert mistral('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                   '{"name": "get_time", "arguments": {}}]') == (None, [weather, ParsedCall("get_time", "{}")])
+    # v11 and later: name[ARGS]{...} per tag, or name{...}; a call id after the name is skipped.
+    assert mistral('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}') == (
+        None, [weather, ParsedCall("get_time", "{}")])
+    assert mistral('[TOOL_CALLS]get_weather{"city": "Paris"}')[1] == [weather]
+    assert mistral('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}')[1] == [weather]
+    assert mistral('Checking.  [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}') == ("Checking.", [weather])
+    # Not calls: the text as written, whitespace and tag included.
+    for text in ["Paris is sunny. ", "a [TOOL_CALLS] b", "Sure. [TOOL_CALLS] I think {\"a\": 1}",
+                 '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', "[TOOL_CALLS]", '[TOOL_CALLS] [{"arguments": {}}]',
+                 '[TOOL_CALLS]f[ARGS][1, 2]', "x [TOOL_CALL"]:
+        assert mistral(text) == (text, []), text
+
+
+def test_mistral_text_streams_until_the_tag():
+    stream = call_stream(MISTRAL)
+    assert stream.feed("It is ") == [("content", "It is")]  # trailing whitespace waits
+    assert stream.feed("sunny [TOOL") == [("content", " sunny")]  # so does a tag's start
+    assert stream.feed("_CALLS]get_weather[ARGS]") == [] and stream.feed('{"city": "Paris"}') == []
+    assert stream.finish() == [("call", ParsedCall("get_weather", '{"city": "Paris"}'))]
