@@ -124,10 +124,11 @@ class AppArgs(BaseModel):
     chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
                                       "served instead of the tokenizer's (vLLM's --chat-template); a file is read "
                                       "where the app is built, so replicas on other nodes need no copy")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "none"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "none"] = Field(
         "auto", description="how tool_choice auto reads calls from the model's text (vLLM's --tool-call-parser): "
                             "auto finds the format from the chat template (<tool_call>: hermes, <|python_tag|>: "
-                            "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); none reads no calls")
+                            "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); pythonic (Llama 3.2/4's "
+                            "[f(a=1)]) only when set; none reads no calls")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "

@@ -1,7 +1,7 @@
 """Tool calls a model writes in its own format, for tool_choice "auto": found in its output, whole or streamed.
 
 With "auto" the model decides between text and calls, so nothing constrains its output: the calls
-are whatever its chat template taught it to write. Three formats are read here (`tool_call_format`
+are whatever its chat template taught it to write. Four formats are read here (`tool_call_format`
 finds which from the served template; other templates, SmolLM2's, have none and "auto" is refused
 for them in tools.py):
 
@@ -22,6 +22,11 @@ for them in tools.py):
   `MistralCallStream` streams the text before the tag and holds the rest to the end (calls if it
   all parses, else text as written). Mistral's templates take only 9-character call ids
   (tools.py makes them so).
+- "pythonic" (set by the operator, `tool_call_parser: pythonic`: no template marks it; vLLM's
+  `pythonic`, for Llama 3.2 and 4 with their tool prompts, ToolACE): an answer that is calls is one
+  Python list `[f(a=1), g()]`, maybe between Llama 4's `<|python_start|>` and `<|python_end|>`,
+  read with `ast` (never run: keyword arguments with literal values only). `PythonicCallStream`
+  holds an answer that opens with `[` or the tag until it ends; any other answer streams as text.
 
 Each format's `parse` reads a finished output with its stream class, so a stream and the whole
 answer agree wherever the deltas are cut.
@@ -29,20 +34,22 @@ answer agree wherever the deltas are cut.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from dataclasses import dataclass
 
-HERMES, LLAMA3_JSON, MISTRAL = "hermes", "llama3_json", "mistral"
+HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC = "hermes", "llama3_json", "mistral", "pythonic"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI allows a function's name
 
 
 # What an operator may set as tool_call_parser (vLLM's --tool-call-parser): "auto" finds the format
 # from the served template, "none" reads no calls (tool_choice "auto" refused), a format forces it.
-TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, MISTRAL, "none")
+TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, "none")
 
 
 def served_tool_call_format(parser: str, chat_template) -> str | None:
@@ -279,7 +286,60 @@ def mistral_calls(text: str) -> list[ParsedCall] | None:
     return calls or None
 
 
-STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream, MISTRAL: MistralCallStream}
+class PythonicCallStream:
+    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events: an output
+    that opens with `[` (or PYTHON_START) is held to its end and is calls if it is all a Python list
+    of calls with literal keyword arguments (`pythonic_calls`); any other output streams as text."""
+
+    def __init__(self):
+        self._held = ""  # the output so far, while it may be calls
+        self._text = False  # it is text: pieces go out as they come
+
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        if self._text:
+            return [("content", text)] if text else []
+        self._held += text
+        start = self._held.lstrip()
+        if not start or start.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(start):
+            return []  # calls, or still undecided
+        self._text = True
+        held, self._held = self._held, ""
+        return [("content", held)]
+
+    def finish(self) -> list[tuple[str, object]]:
+        held, self._held = self._held, ""
+        calls = None if self._text else pythonic_calls(held)
+        if calls:
+            return [("call", call) for call in calls]
+        return [("content", held)] if held else []
+
+
+def pythonic_calls(text: str) -> list[ParsedCall] | None:
+    """`[get_weather(city="Paris"), get_time()]` as calls (vLLM's pythonic format: Llama 3.2 and 4
+    with their tool prompts, ToolACE), read with `ast`, never run; None unless it is all that:
+    one list of calls by name with keyword arguments whose values are literals."""
+    text = text.strip().removeprefix(PYTHON_START).removesuffix(PYTHON_END).strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(k.arg is not None for k in node.keywords) and _FUNCTION_NAME.fullmatch(node.func.id)):
+            return None
+        try:
+            arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
+            calls.append(ParsedCall(node.func.id, json.dumps(arguments, allow_nan=False)))
+        except (ValueError, TypeError, SyntaxError, RecursionError):  # not a literal, or not JSON (a set, bytes)
+            return None
+    return calls
+
+
+STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream, MISTRAL: MistralCallStream,
+           PYTHONIC: PythonicCallStream}
 FORMATS = tuple(STREAMS)
 
 

@@ -49,7 +49,7 @@ def test_a_template_that_is_neither_a_file_nor_jinja_is_refused_by_name(tmp_path
     with pytest.raises(ValidationError, match="the file holds no Jinja template"):
         AppArgs(chat_template=str(plain))
     with pytest.raises(ValidationError, match="tool_call_parser"):
-        AppArgs(tool_call_parser="pythonic")
+        AppArgs(tool_call_parser="xml")
 
 
 def test_the_parser_setting_decides_the_served_format():
@@ -59,13 +59,14 @@ def test_the_parser_setting_decides_the_served_format():
     assert served_tool_call_format("none", HERMES_TEMPLATE) is None  # the operator reads no calls
     assert served_tool_call_format(LLAMA3_JSON, HERMES_TEMPLATE) == LLAMA3_JSON  # forced, whatever the template
     assert AppArgs(tool_call_parser="mistral").tool_call_parser == "mistral"
-    with pytest.raises(ValueError, match="tool_call_parser='pythonic' is not supported; allowed: auto, hermes"):
-        served_tool_call_format("pythonic", None)
+    assert served_tool_call_format("pythonic", HERMES_TEMPLATE) == "pythonic"  # only ever set, never found
+    with pytest.raises(ValueError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes"):
+        served_tool_call_format("xml", None)
 
 
 def test_a_replica_refuses_an_unknown_parser_before_loading():
     with pytest.raises(ponytail.ConfigError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes, "
-                                                   "llama3_json, mistral, none"):
+                                                   "llama3_json, mistral, pythonic, none"):
         EngineReplica(device="cpu", tool_call_parser="xml")
 
 

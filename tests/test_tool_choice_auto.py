@@ -203,3 +203,17 @@ def test_earlier_calls_reach_the_template_as_objects_without_tools_in_the_reques
     request = backend.requests[-1]
     assert not request.tools and request.messages[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
     assert request.messages[1]["tool_calls"][0]["id"] == "call_1"  # other formats keep the client's ids
+
+
+def test_pythonic_calls_when_the_operator_sets_the_parser():
+    backend = ScriptedBackend(tool_call_format="pythonic")  # what tool_call_parser: pythonic serves
+    backend.script = ["[get_weather(", 'city="Paris"), get_time()]']
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            whole = ask(client).choices[0]
+            chunks = [c for c in ask(client, stream=True) if c.choices]
+    assert whole.finish_reason == "tool_calls" and whole.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+    assert [(d.function.name, d.function.arguments) for c in chunks for d in (c.choices[0].delta.tool_calls or [])] \
+        == [("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]

@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.tool_parsers import (HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, TOOL_CALLS, HermesCallStream, ParsedCall, call_stream,
+from deployments.tool_parsers import (HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS, HermesCallStream, ParsedCall, call_stream,
                                       parse, tool_call_format)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
@@ -93,11 +93,16 @@ MISTRAL_TEXTS = st.lists(st.sampled_from([" ", "\n", "Sure.", TOOL_CALLS, "[TOOL
                          max_size=10).map("".join)
 
 
+PYTHONIC_TEXTS = st.lists(st.sampled_from([" ", "\n", "[", "]", "get_weather(", 'city="Paris"', ")", ", ", "get_time()",
+                                           "<|python_start|>", "<|python", "<|python_end|>", "Sure", "x=1"]),
+                          max_size=10).map("".join)
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cuts=st.lists(st.floats(min_value=0, max_value=1), max_size=8))
 def test_a_stream_cut_anywhere_gives_the_whole_answer(data, cuts):
-    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL]))
-    text = data.draw({HERMES: TEXTS, LLAMA3_JSON: LLAMA3_TEXTS, MISTRAL: MISTRAL_TEXTS}[fmt])
+    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC]))
+    text = data.draw({HERMES: TEXTS, LLAMA3_JSON: LLAMA3_TEXTS, MISTRAL: MISTRAL_TEXTS, PYTHONIC: PYTHONIC_TEXTS}[fmt])
     bounds = sorted({0, len(text), *(int(c * len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     content, calls, events = streamed(pieces, fmt)
@@ -162,3 +167,16 @@ def test_mistral_text_streams_until_the_tag():
     assert stream.feed("sunny [TOOL") == [("content", " sunny")]  # so does a tag's start
     assert stream.feed("_CALLS]get_weather[ARGS]") == [] and stream.feed('{"city": "Paris"}') == []
     assert stream.finish() == [("call", ParsedCall("get_weather", '{"city": "Paris"}'))]
+
+
+def test_pythonic_calls_are_read_never_run():
+    assert parse(PYTHONIC, '[get_weather(city="Paris"), get_time()]') == (
+        None, [ParsedCall("get_weather", '{"city": "Paris"}'), ParsedCall("get_time", "{}")])
+    assert parse(PYTHONIC, '<|python_start|>[f(a=1, b=[True, None], c={"k": 2.5})]<|python_end|>')[1] == [
+        ParsedCall("f", '{"a": 1, "b": [true, null], "c": {"k": 2.5}}')]
+    # Not calls, so text as written: positional or non-literal arguments, attributes, nothing callable.
+    for text in ['[f("x")]', '[os.system("ls")]', '[f(a=open("x"))]', "[f(a=g())]", "[1, 2]", "[]", "[f(**k)]",
+                 "[f(a={1, 2})]", "[f(a=1e999)]", " It is sunny.", "[f(a=1)] and more", "[f(a=1"]:
+        assert parse(PYTHONIC, text) == (text, []), text
+    stream = call_stream(PYTHONIC)
+    assert stream.feed("It ") == [("content", "It ")] and stream.feed("is") == [("content", "is")]
