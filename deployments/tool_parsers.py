@@ -180,9 +180,14 @@ class HermesCallStream:
         self._blank = text[len(kept):]
 
 
-class Llama3JsonCallStream:
-    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events, in order:
-    an output that opens with `{` or PYTHON_TAG is held to its end and is calls if it all parses."""
+class WholeAnswerCallStream:
+    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events, for formats
+    where an answer that is calls is only calls: an output that opens with one of `opens` (or a
+    start of `tag`) is held to its end and is calls if `calls(held)` reads it all; any other
+    output streams as text."""
+
+    opens: tuple[str, ...] = ()
+    tag = ""
 
     def __init__(self):
         self._held = ""  # the output so far, while it may be calls
@@ -193,7 +198,7 @@ class Llama3JsonCallStream:
             return [("content", text)] if text else []
         self._held += text
         start = self._held.lstrip()
-        if not start or start.startswith(("{", PYTHON_TAG)) or PYTHON_TAG.startswith(start):
+        if not start or start.startswith(self.opens) or self.tag.startswith(start):
             return []  # calls, or still undecided
         self._text = True
         held, self._held = self._held, ""
@@ -201,10 +206,24 @@ class Llama3JsonCallStream:
 
     def finish(self) -> list[tuple[str, object]]:
         held, self._held = self._held, ""
-        calls = None if self._text else _json_calls(held.strip().removeprefix(PYTHON_TAG).lstrip())
+        calls = None if self._text else self.calls(held)
         if calls:
             return [("call", call) for call in calls]
         return [("content", held)] if held else []
+
+    @staticmethod
+    def calls(text: str) -> list[ParsedCall] | None:
+        raise NotImplementedError
+
+
+class Llama3JsonCallStream(WholeAnswerCallStream):
+    """Llama 3.1-3.3: `{...}; {...}` after an optional PYTHON_TAG."""
+
+    opens, tag = ("{", PYTHON_TAG), PYTHON_TAG
+
+    @staticmethod
+    def calls(text: str) -> list[ParsedCall] | None:
+        return _json_calls(text.strip().removeprefix(PYTHON_TAG).lstrip())
 
 
 def _json_calls(text: str) -> list[ParsedCall] | None:
@@ -286,32 +305,14 @@ def mistral_calls(text: str) -> list[ParsedCall] | None:
     return calls or None
 
 
-class PythonicCallStream:
-    """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events: an output
-    that opens with `[` (or PYTHON_START) is held to its end and is calls if it is all a Python list
-    of calls with literal keyword arguments (`pythonic_calls`); any other output streams as text."""
+class PythonicCallStream(WholeAnswerCallStream):
+    """One Python list of calls (`pythonic_calls`), maybe after Llama 4's PYTHON_START."""
 
-    def __init__(self):
-        self._held = ""  # the output so far, while it may be calls
-        self._text = False  # it is text: pieces go out as they come
+    opens, tag = ("[", PYTHON_START), PYTHON_START
 
-    def feed(self, text: str) -> list[tuple[str, object]]:
-        if self._text:
-            return [("content", text)] if text else []
-        self._held += text
-        start = self._held.lstrip()
-        if not start or start.startswith(("[", PYTHON_START)) or PYTHON_START.startswith(start):
-            return []  # calls, or still undecided
-        self._text = True
-        held, self._held = self._held, ""
-        return [("content", held)]
-
-    def finish(self) -> list[tuple[str, object]]:
-        held, self._held = self._held, ""
-        calls = None if self._text else pythonic_calls(held)
-        if calls:
-            return [("call", call) for call in calls]
-        return [("content", held)] if held else []
+    @staticmethod
+    def calls(text: str) -> list[ParsedCall] | None:
+        return pythonic_calls(text)
 
 
 def pythonic_calls(text: str) -> list[ParsedCall] | None:

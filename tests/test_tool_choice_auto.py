@@ -22,6 +22,10 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
 ASK = [{"role": "user", "content": "Weather and time in Paris?"}]
+ANSWERED = ASK + [  # the model called get_weather, the client answered
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
 TWO_CALLS = ["I will check.", "\n<tool", '_call>\n{"name": "get_weather", "arguments": {"city": "Pa',
              'ris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>']
 
@@ -118,10 +122,7 @@ def test_an_answer_without_calls_is_plain_text(served):
 def test_earlier_calls_reach_a_tool_format_template_as_objects(served):
     backend, client = served
     backend.script = ["18 degrees."]
-    messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    messages = ANSWERED
     assert ask(client, messages=messages).choices[0].message.content == "18 degrees."
     assistant = backend.requests[-1].messages[1]
     # Not written into the content as JSON (the template shows the call itself), and its arguments
@@ -194,10 +195,7 @@ def test_earlier_calls_reach_the_template_as_objects_without_tools_in_the_reques
     history's calls as the template writes them."""
     backend, client = served
     backend.script = ["18 degrees."]
-    messages = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
+    messages = ANSWERED
     answer = client.chat.completions.create(model=MODEL, messages=messages).choices[0]
     assert answer.message.content == "18 degrees."
     request = backend.requests[-1]
