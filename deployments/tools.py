@@ -25,6 +25,7 @@ All finish with finish_reason "tool_calls" when they called. Errors are ConfigEr
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import secrets
@@ -52,6 +53,7 @@ class ToolPlan:
     name: str | None  # the forced function: the output is its arguments; None: a 'required' list or 'auto'
     format: str | None = None  # 'auto': the model's own format (tool_parsers.FORMATS), read from free text
     parallel: bool = True  # 'auto': every call the model writes, else the first only
+    short_ids: bool = False  # call ids of 9 letters or digits, which Mistral's templates take back
 
 
 def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
@@ -72,6 +74,8 @@ def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
         raise ConfigError(f"tool_choice={_show(req.tool_choice)} is invalid without tools; "
                           "allowed: give tools, or leave tool_choice out")
     plan, schema = _tool_schema(req, tools, tool_format)
+    if plan is not None and tool_format == MISTRAL:
+        plan = dataclasses.replace(plan, short_ids=True)
     if plan is not None and plan.format is not None and req.skip_special_tokens is None:
         generate.sampling["skip_special_tokens"] = False  # some tokenizers make the call tags special
     response = _response_schema(req)
@@ -162,8 +166,8 @@ def _show(choice) -> str:
     return repr(choice.model_dump() if isinstance(choice, BaseModel) else choice)
 
 
-def _call_id(fmt: str | None = None) -> str:
-    if fmt == MISTRAL:  # Mistral's templates refuse any other id: 9 letters or digits
+def _call_id(plan: ToolPlan) -> str:
+    if plan.short_ids:  # Mistral's templates refuse any other id: 9 letters or digits
         return "".join(secrets.choice(_ALPHANUMERIC) for _ in range(9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -196,10 +200,10 @@ def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
             json.loads(text)
         except ValueError:
             return None
-        return [ToolCall(id=_call_id(), function=FunctionCall(name=plan.name, arguments=text))]
+        return [ToolCall(id=_call_id(plan), function=FunctionCall(name=plan.name, arguments=text))]
     try:
         items = json.loads(text)
-        return [ToolCall(id=_call_id(), function=FunctionCall(name=item["name"],
+        return [ToolCall(id=_call_id(plan), function=FunctionCall(name=item["name"],
                                                               arguments=json.dumps(item["parameters"])))
                 for item in items]
     except (ValueError, TypeError, KeyError):
@@ -221,7 +225,7 @@ class ToolCallFormat:
         self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
 
     def call_id(self, index: int) -> str:
-        return self.call_ids.setdefault(index, _call_id())
+        return self.call_ids.setdefault(index, _call_id(self.plan))
 
     def _chunk(self, index: int, delta: ChatDelta, finish_reason: str | None = None, items=None) -> BaseModel:
         return self.chat_format._delta(index, delta, finish_reason, items)
@@ -257,7 +261,7 @@ class ToolCallFormat:
             elif self.plan.parallel or not self.calls_sent.get(index):
                 number = self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
                 chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
-                    index=number - 1, id=_call_id(self.plan.format), type="function",
+                    index=number - 1, id=_call_id(self.plan), type="function",
                     function=FunctionCallDelta(name=value.name, arguments=value.arguments))]), items=items))
             items = None  # a piece's logprobs go out once, with its first chunk
         return chunks
@@ -286,7 +290,7 @@ class ToolCallFormat:
         choice = self.chat_format.choice(index, text, finish_reason, items)
         if self.plan.format is not None:  # 'auto': calls and the text around them, read once
             content, parsed = parse(self.plan.format, text)
-            calls = [ToolCall(id=_call_id(self.plan.format), function=FunctionCall(name=c.name, arguments=c.arguments))
+            calls = [ToolCall(id=_call_id(self.plan), function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in (parsed if self.plan.parallel else parsed[:1])] or None
         else:
             content, calls = None, parse_calls(self.plan, text)

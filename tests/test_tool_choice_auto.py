@@ -164,8 +164,8 @@ def test_llama3_json_calls_whole_and_streamed():
 
 
 def test_mistral_calls_get_nine_character_ids_and_earlier_ids_are_made_so():
-    """Mistral's templates raise on any call id but 9 letters or digits: the calls it writes get
-    such ids, and an earlier call's id of another shape reaches the template as one digest, the same
+    """Mistral's templates raise on any call id but 9 letters or digits: calls get such ids there
+    ('auto', 'required' or named), and an earlier call's id of another shape reaches the template as one digest, the same
     in the assistant's call and in the tool message that answers it."""
     backend = ScriptedBackend(tool_call_format="mistral")
     backend.script = ["[TOOL_CALLS]", 'get_weather[ARGS]{"city": "Paris"}', '[TOOL_CALLS]get_time[ARGS]{}']
@@ -184,6 +184,14 @@ def test_mistral_calls_get_nine_character_ids_and_earlier_ids_are_made_so():
     assert [(d.index, d.function.name) for d in streamed] == [(0, "get_weather"), (1, "get_time")]
     for call in whole.message.tool_calls + streamed:
         assert len(call.id) == 9 and call.id.isalnum(), call.id
+    backend.script = ['[{"name": "get_time", "parameters": {}}]']  # a forced choice, constrained JSON
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            forced = ask(client, tool_choice="required").choices[0].message.tool_calls
+            named = ask(client, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert [c.function.name for c in forced] == ["get_time"]
+    for call in forced + named.choices[0].message.tool_calls:
+        assert len(call.id) == 9 and call.id.isalnum(), call.id  # the same ids whatever the choice
     earlier = backend.requests[0].messages
     call_id = earlier[1]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and call_id.isalnum() and earlier[2]["tool_call_id"] == call_id
