@@ -358,7 +358,6 @@ def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
     return (content or None), calls
 
 
-
 def _partial_tag(text: str, tag: str = OPEN) -> int:
     """Length of the longest tail of `text` that `tag` starts with (held back, it may be a tag)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):

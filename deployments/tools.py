@@ -16,8 +16,9 @@ or streamed as deltas.
   and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
   Qwen2.5/3, Hermes and their fine-tunes; Llama 3.1-3.3's JSON calls; Mistral's `[TOOL_CALLS]`;
   vLLM's `--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral`, found here
-  from the served chat template; pythonic calls where the operator sets that parser). Text around the calls is the content; with parallel_tool_calls false only the
-  first call counts. Refused where the template shows no format (SmolLM2's): nothing to parse.
+  from the served chat template; pythonic calls where the operator sets that parser). Text around
+  the calls is the content; with parallel_tool_calls false only the first call counts. Refused
+  where the template shows no format (SmolLM2's): nothing to parse.
   "none" generates text as usual.
 All finish with finish_reason "tool_calls" when they called. Errors are ConfigErrors starting
 "field=value", so the API answers 400 naming the field.
