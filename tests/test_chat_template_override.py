@@ -108,3 +108,12 @@ def test_the_prefix_router_tokenizes_with_the_served_template(default_model):
     # The same fingerprint: the replica runs the router's ids instead of tokenizing again.
     assert tokenizer_fingerprint(router.tokenizer) == tokenizer_fingerprint(replica.tokenizer)
     assert chat_token_ids(router.tokenizer, MESSAGES) == chat_token_ids(replica.tokenizer, MESSAGES)
+
+
+def test_a_template_for_a_model_without_a_tokenizer_is_refused_by_name():
+    from deployments.prompts import use_chat_template
+
+    with pytest.raises(ponytail.ConfigError, match="chat_template is set, but the model has no tokenizer to apply it "
+                                                   "with; allowed: a model with a tokenizer, or no chat_template"):
+        use_chat_template(None, HERMES_TEMPLATE)
+    use_chat_template(None, None)  # nothing asked, nothing to check
