@@ -30,7 +30,14 @@ def test_params_keep_the_schema_as_canonical_json_and_accept_a_dict():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(structured_outputs={}), "exactly one of json"),
     (dict(structured_outputs={"json": {"type": "object"}, "json_object": True}), "exactly one of json"),
-    (dict(structured_outputs={"regex": "a+"}), "unsupported field(s) ['regex']"),
+    (dict(structured_outputs={"structural_tag": "{}"}), "unsupported field(s) ['structural_tag']"),
+    (dict(structured_outputs={"regex": "a+", "choice": ["a"]}), "structured_outputs=regex=a+, choice=['a'] is "
+                                                                  "invalid; allowed: exactly one of"),
+    (dict(structured_outputs={"choice": []}), "structured_outputs.choice=[] is invalid; allowed: a non-empty list"),
+    (dict(structured_outputs={"choice": ["a", ""]}), "structured_outputs.choice=['a', ''] is invalid"),
+    (dict(structured_outputs={"choice": "yes"}), "structured_outputs.choice='yes' is invalid; allowed: a non-empty"),
+    (dict(structured_outputs={"regex": " "}), "structured_outputs.regex=' ' is invalid; allowed: a non-empty"),
+    (dict(structured_outputs={"grammar": 3}), "structured_outputs.grammar=3 is invalid"),
     (dict(structured_outputs={"json": "{not json"}), "structured_outputs.json='{not json' is not valid JSON"),
     (dict(structured_outputs={"json": [1]}), "structured_outputs.json=[1] is invalid"),
     (dict(structured_outputs="json"), "structured_outputs='json' (str) is invalid"),
@@ -119,6 +126,33 @@ def test_a_schema_that_cannot_compile_is_a_config_error(default_model):
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256)
     with pytest.raises(ConfigError, match="cannot be compiled"):
         llm.generate(["hi"], SamplingParams(structured_outputs={"json": {"type": "nonsense"}}))
+
+
+@pytest.mark.network
+def test_regex_choice_and_grammar_bind_every_seeded_sample(default_model):
+    """vLLM's other constraints: each of 4 samples at temperature 1 matches, whole."""
+    import re
+
+    model, tokenizer = default_model
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="32MiB", max_num_seqs=8, max_model_len=512)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a capital and a code."}],
+                                           add_generation_prompt=True, tokenize=False)
+    specs = {"regex": (r"[A-Z][a-z]{2,8}-[0-9]{3}", lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}-[0-9]{3}", t)),
+             "choice": (["Paris", "Rome", "New Delhi"], lambda t: t in ("Paris", "Rome", "New Delhi")),
+             "grammar": ('root ::= city ", " city\ncity ::= "Paris" | "Rome"',
+                         lambda t: re.fullmatch("(Paris|Rome), (Paris|Rome)", t))}
+    for kind, (value, matches) in specs.items():
+        params = [SamplingParams(max_tokens=30, temperature=1.0, seed=i, structured_outputs={kind: value})
+                  for i in range(4)]
+        for out in llm.generate([prompt] * 4, params):
+            assert out.finish_reason == "stop" and matches(out.text), (kind, out.text)
+    assert StructuredOutputsParams(choice=["a"]).key != StructuredOutputsParams(regex="a").key
+    with pytest.raises(ConfigError, match=r"structured_outputs=regex=\[a- cannot be compiled: .*allowed: a regular "
+                                          "expression xgrammar supports"):
+        llm.generate(["hi"], SamplingParams(structured_outputs={"regex": "[a-"}))
+    with pytest.raises(ConfigError, match="allowed: an EBNF grammar with a root rule"):
+        llm.generate(["hi"], SamplingParams(structured_outputs={"grammar": 'start ::= "a"'}))
+    assert llm.stats().used_blocks == 0
 
 
 @pytest.mark.network

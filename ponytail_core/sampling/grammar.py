@@ -17,6 +17,7 @@ thread, and cached.
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Collection
@@ -31,6 +32,7 @@ CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped first)
 # Compact JSON (", " and ": ", no newlines): a small model sampled at temperature 1 cannot spend its
 # tokens on whitespace, and every output is still valid JSON.
 _ANY_WHITESPACE = False
+_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:[0-9]+: ")
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -81,15 +83,28 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # ours is the cache
         self.num_compiles += 1
-        schema = '{"type":"object"}' if spec.json is None else spec.json
+        kind = spec.kind
         try:
+            if kind == "regex":
+                return self._compiler.compile_regex(spec.regex)
+            if kind in ("grammar", "choice"):
+                return self._compiler.compile_grammar(spec.ebnf())
+            schema = '{"type":"object"}' if spec.json is None else spec.json
             return self._compiler.compile_json_schema(schema, any_whitespace=_ANY_WHITESPACE)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for bad schemas
-            raise ConfigError(f"structured_outputs={spec.describe()} cannot be compiled: {exc}; "
-                              "allowed: a JSON schema xgrammar supports") from None
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses for bad input
+            what = {"regex": "a regular expression", "grammar": "an EBNF grammar with a root rule",
+                    "choice": "a list of strings"}.get(kind, "a JSON schema")
+            raise ConfigError(f"structured_outputs={spec.describe()} cannot be compiled: {_reason(exc)}; "
+                              f"allowed: {what} xgrammar supports") from None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ log prefix ("[12:00:00] /project/cpp/file.cc:94: ")."""
+    lines = [_LOG_PREFIX.sub("", line).strip() for line in str(exc).splitlines()]
+    return " ".join(line for line in lines if line) or type(exc).__name__
 
 
 class RequestGrammar:

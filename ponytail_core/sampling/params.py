@@ -145,7 +145,7 @@ class SamplingParams:
             for name, off in (("min_tokens", 0), ("ignore_eos", False)):
                 if getattr(self, name) != off:
                     raise _invalid(name, getattr(self, name),
-                                   f"{off} with structured_outputs (the output ends when the JSON does)")
+                                   f"{off} with structured_outputs (the output ends where the constraint does)")
 
     @staticmethod
     def _check_logit_bias(bias: object) -> dict[int, float] | None:

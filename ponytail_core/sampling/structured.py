@@ -11,30 +11,48 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 
-_ALLOWED = ("exactly one of json=<a JSON schema: dict or JSON text> or json_object=True "
+_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+_ALLOWED = ("exactly one of json=<a JSON schema: dict or JSON text>, regex=<a regular expression>, "
+            "choice=<a list of strings>, grammar=<an EBNF grammar with a root rule> or json_object=True "
             "(any JSON object)")
 
 
 @dataclass(slots=True)
 class StructuredOutputsParams:
-    """Constrain the output to JSON: `json` a JSON schema (dict or its text), or `json_object`.
+    """The shape the output must take: `json` a JSON schema (dict or its text), `regex`, `choice`
+    (one of these strings, whole), `grammar` (EBNF/GBNF as xgrammar reads it, with a `root`
+    rule), or `json_object` (any JSON object). Exactly one.
 
-    Like vLLM's `StructuredOutputsParams`; regex, choice, grammar and structural_tag are not
-    supported yet. The schema is kept as canonical JSON text (sorted keys), the cache key of its
-    compiled grammar.
+    Like vLLM's `StructuredOutputsParams`; structural_tag and the whitespace options are not
+    supported. The schema is kept as canonical JSON text (sorted keys); `key` names the compiled
+    grammar in the cache.
     """
 
     json: dict | str | None = None  # a JSON schema; after checking, its canonical JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool | None = None  # any JSON object (OpenAI's response_format json_object)
 
     def __post_init__(self) -> None:
         if self.json_object not in (None, True, False):
             raise ConfigError(f"structured_outputs.json_object={self.json_object!r} is invalid; "
                               "allowed: True, False or None")
-        if (self.json is None) == (not self.json_object):
+        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if len(given) != 1:
             raise ConfigError(f"structured_outputs={self.describe()} is invalid; allowed: {_ALLOWED}")
         if self.json is not None:
             self.json = _canonical_schema(self.json)
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and not (isinstance(value, str) and value.strip()):
+                raise ConfigError(f"structured_outputs.{kind}={value!r:.80} is invalid; allowed: a non-empty string")
+        if self.choice is not None:
+            choice = self.choice
+            if not (isinstance(choice, (list, tuple)) and choice and all(isinstance(c, str) and c for c in choice)):
+                raise ConfigError(f"structured_outputs.choice={choice!r:.80} is invalid; allowed: a non-empty list "
+                                  "of non-empty strings")
+            self.choice = list(choice)
 
     @classmethod
     def of(cls, value: object) -> StructuredOutputsParams:
@@ -42,23 +60,46 @@ class StructuredOutputsParams:
         if isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            unknown = sorted(set(value) - {"json", "json_object"})
+            unknown = sorted(set(value) - set(_KINDS))
             if unknown:
-                raise ConfigError(f"structured_outputs has unsupported field(s) {unknown}; allowed: {_ALLOWED}")
+                raise ConfigError(f"structured_outputs={value!r:.80} has unsupported field(s) {unknown}; "
+                                  f"allowed: {_ALLOWED}")
             return cls(**value)
         raise ConfigError(f"structured_outputs={value!r:.80} ({type(value).__name__}) is invalid; "
                           f"allowed: None, a StructuredOutputsParams or a dict with {_ALLOWED}")
 
     @property
+    def kind(self) -> str:
+        """Which constraint this is: one of json, regex, choice, grammar, json_object."""
+        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+
+    @property
     def key(self) -> str:
         """What identifies the compiled grammar: equal keys share one compile."""
-        return "json_object" if self.json is None else self.json
+        kind = self.kind
+        if kind == "json":
+            return self.json  # canonical schema text, as before: a schema's key does not change
+        if kind == "json_object":
+            return "json_object"
+        return f"{kind}:{json.dumps(getattr(self, kind))}"
+
+    def ebnf(self) -> str | None:
+        """The grammar to compile for grammar and choice (each choice a literal); None for the others."""
+        if self.grammar is not None:
+            return self.grammar
+        if self.choice is not None:
+            return "root ::= " + " | ".join(json.dumps(c) for c in self.choice)
+        return None
 
     def describe(self) -> str:
-        if self.json is not None:
-            text = self.json if isinstance(self.json, str) else repr(self.json)
-            return f"json={text:.80}"
-        return f"json_object={self.json_object!r}"
+        given = [(kind, getattr(self, kind)) for kind in _KINDS if getattr(self, kind) not in (None, False)]
+        if not given:
+            return "{}"
+        parts = []
+        for kind, value in given:
+            text = value if isinstance(value, str) else repr(value)
+            parts.append(f"{kind}={text:.80}")
+        return ", ".join(parts)
 
 
 def _canonical_schema(schema: object) -> str:
