@@ -107,8 +107,9 @@ class OpenAIIngress:
             held.append(holds.popleft())
         return held
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        return await self.engine_handle.tokenize.remote(prompt, messages)
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       options: dict | None = None) -> list[int]:
+        return await self.engine_handle.tokenize.remote(prompt, messages, options)
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self.engine_handle.detokenize.remote(token_ids)

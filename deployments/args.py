@@ -129,6 +129,11 @@ class AppArgs(BaseModel):
                             "auto finds the format from the chat template (<tool_call>: hermes, <|python_tag|>: "
                             "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); pythonic (Llama 3.2/4's "
                             "[f(a=1)]) only when set; none reads no calls")
+    reasoning_parser: Literal["auto", "deepseek_r1", "qwen3", "none"] = Field(
+        "auto", description="how a reasoning model's thought is split from its answer into the response's "
+                            "`reasoning` (vLLM's --reasoning-parser): auto finds it from the chat template "
+                            "(</think> and enable_thinking: qwen3, </think> alone: deepseek_r1, neither: none); none "
+                            "leaves the thought in the content")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "
@@ -156,7 +161,8 @@ class AppArgs(BaseModel):
                                                 "stream_interval_s", "max_deltas_per_s",
                                                 "gpu_memory_utilization", "max_prompt_tokens",
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
-                                                "generation_config", "chat_template", "tool_call_parser")
+                                                "generation_config", "chat_template", "tool_call_parser",
+                                                "reasoning_parser")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 

@@ -43,8 +43,8 @@ class ReplicaBackend:
         actor = ray.get_runtime_context().get_actor_name() if ray.is_initialized() else None
         return {actor or "local": self.replica.llm.stats()}
 
-    async def tokenize(self, prompt, messages):
-        return await self.replica.tokenize(prompt, messages)
+    async def tokenize(self, prompt, messages, options=None):
+        return await self.replica.tokenize(prompt, messages, options)
 
     async def detokenize(self, token_ids):
         return await self.replica.detokenize(token_ids)

@@ -8,7 +8,7 @@ ingress in app.py, a fake in the tests) needs these methods (the last two for /t
     async def model_info(self) -> ModelInfo
     def stream(self, request: GenerateRequest) -> AsyncIterator[GenerateDelta]   # an async generator
     async def abort(self, request_id: str) -> None
-    async def tokenize(self, prompt: str | None, messages: list[dict] | None) -> list[int]
+    async def tokenize(self, prompt: str | None, messages: list[dict] | None, options: dict) -> list[int]
     async def detokenize(self, token_ids: list[int]) -> str
     async def engine_stats(self) -> dict[str, EngineStats]   # optional: engine series in /metrics
 
@@ -58,13 +58,15 @@ from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 from .http_guard import AccessPolicy, install
 from .limits import LimitExceeded, RequestLimits
+from .reasoning import with_reasoning
 from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
 
 ABORT_TIMEOUT_S = 5.0  # the most a cleanup waits on backend.abort
 MAX_MESSAGE_CHARS = 1000  # error messages are cut here, so user input is never echoed back whole
-_PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=")  # ConfigError messages start "field=value ..."
+# ConfigError messages start "field=value ..." (or "field.part=value ...": the field is named)
+_PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_.]*)?\s*=")
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
@@ -256,6 +258,12 @@ def _listed(chunks: BaseModel | list[BaseModel]) -> list[BaseModel]:
     return chunks if isinstance(chunks, list) else [chunks]  # a tool-call format may send 0 or several
 
 
+def _echoed(req: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's text, when it is the assistant's (continue_final_message)."""
+    last = req.messages[-1]
+    return (last.to_dict()["content"] or "") if req.echo and last.role == "assistant" else ""
+
+
 def _sse(payload: BaseModel | str) -> str:
     return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
 
@@ -307,7 +315,13 @@ class _CompletionFormat:
 
 
 class _ChatFormat(_CompletionFormat):
-    """Response objects of /v1/chat/completions for one request."""
+    """Response objects of /v1/chat/completions for one request; `echo`: text each answer starts with."""
+
+    echo = ""
+
+    @property
+    def chat_format(self) -> _ChatFormat:  # what the wrapping formats (tools, reasoning) call theirs
+        return self
 
     def _delta(self, index: int, delta: ChatDelta, finish_reason: str | None = None,
                items: list[TokenLogprob] | None = None) -> BaseModel:
@@ -318,7 +332,7 @@ class _ChatFormat(_CompletionFormat):
         return ChatCompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
     def start(self, index: int) -> list[BaseModel]:
-        return [self._delta(index, ChatDelta(role="assistant", content=""))]
+        return [self._delta(index, ChatDelta(role="assistant", content=self.echo))]
 
     def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
         return self._delta(index, ChatDelta(content=text), items=items)
@@ -327,7 +341,7 @@ class _ChatFormat(_CompletionFormat):
         return self._delta(index, ChatDelta(), finish_reason)
 
     def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
-        return ChatChoice(index=index, message=ChatMessage(content=text), finish_reason=finish_reason,
+        return ChatChoice(index=index, message=ChatMessage(content=self.echo + text), finish_reason=finish_reason,
                           logprobs=None if items is None else chat_logprobs(items))
 
     def full(self, choices: list, usage: Usage) -> BaseModel:
@@ -407,6 +421,9 @@ class _OpenAIServer:
                 request_id, req.model or info.model_id, system_fingerprint(info))  # the name it asked for
             if plan is not None:
                 fmt = ToolCallFormat(fmt, plan)
+            if kind is ChatCompletionRequest:
+                fmt = with_reasoning(fmt, info.reasoning_format, generates[0], plan, req)
+                fmt.chat_format.echo = _echoed(req)
             headers = {"X-Request-Id": base_id} if self.request_id_header else {}
             generations = [_Generation(self.backend, generate) for generate in generates]
             per_prompt = req.n or 1  # choices of prompt g are g * per_prompt + their index
@@ -457,7 +474,8 @@ class _OpenAIServer:
                 if (req.prompt is None) == (req.messages is None):
                     raise APIError(400, "give exactly one of prompt (a string) and messages", param="prompt")
                 messages = None if req.messages is None else [m.to_dict() for m in req.messages]
-                tokens = await self.backend.tokenize(req.prompt, messages)
+                options = req.template_options() if messages is not None else {}
+                tokens = await self.backend.tokenize(req.prompt, messages, options)
                 body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=info.max_model_len)
             return Response(body.model_dump_json(), media_type="application/json")
         except Exception as exc:

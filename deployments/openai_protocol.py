@@ -26,6 +26,7 @@ from pydantic_core import PydanticCustomError
 from ponytail import ConfigError
 
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs
+from .prompts import check_template_options
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -106,6 +107,15 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # vLLM's constraint: exactly one of json, regex, choice, grammar, json_object (ponytail.StructuredOutputsParams)
+    structured_outputs: dict[str, Any] | None = None
+    # vLLM < 0.12's names for the same, still sent by older clients
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: Annotated[Unsupported, _unsupported(
+        lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -131,6 +141,7 @@ class CompletionRequest(_SamplingRequest):
     prompt: Prompt
     logprobs: int | None = None  # logprobs of each token and of this many most likely ones (0-20)
     echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
+    response_format: ResponseFormat | None = None  # as in chat (vLLM takes it here too)
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
 
 
@@ -155,6 +166,8 @@ class ChatMessageParam(_Request):
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a role "tool" message: the call it answers
     name: str | None = None
+    reasoning: str | None = None  # an assistant's earlier reasoning, as this server returns it
+    reasoning_content: str | None = None  # the same under its older name (vLLM < 0.11, DeepSeek's API)
     # after role and tool_calls, so its check sees them: null only in an assistant message that calls tools
     content: Annotated[str | list[TextPart] | None, _one_error(
         "must be a string or a list of text parts (type 'text'); images and audio are not supported")] = Field(
@@ -179,6 +192,9 @@ class ChatMessageParam(_Request):
         for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:  # what reasoning templates read (Qwen3 keeps or drops it by turn)
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -228,25 +244,76 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None  # None: 'auto' when tools are given (refused: deployments/tools.py)
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's own structured-output fields: refused rather than ignored (use response_format / tools)
-    guided_json: Annotated[Unsupported, _unsupported(lambda v: False, "guided_json (use response_format)")] = None
-    guided_regex: Annotated[Unsupported, _unsupported(lambda v: False, "guided_regex")] = None
-    guided_choice: Annotated[Unsupported, _unsupported(lambda v: False, "guided_choice")] = None
-    guided_grammar: Annotated[Unsupported, _unsupported(lambda v: False, "guided_grammar")] = None
-    guided_decoding_backend: Annotated[Unsupported, _unsupported(lambda v: False, "guided_decoding_backend")] = None
-    structured_outputs: Annotated[Unsupported, _unsupported(
-        lambda v: False, "structured_outputs (use response_format or tools)")] = None
+    # vLLM's chat-template fields (deployments/prompts.py checks them)
+    chat_template_kwargs: dict[str, Any] | None = None  # names the template reads, e.g. {"enable_thinking": false}
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the answer continues the last message (prefill), not a new one
+    echo: bool = False  # the answer starts with the last message's text when that is the assistant's
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    include_reasoning: bool = True  # False: a reasoning model's thinking is left out of the answer
+    chat_template: Annotated[Unsupported, _unsupported(
+        lambda v: False, "chat_template per request (the server's chat_template sets it)")] = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
         if sampling_name == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
-        if sampling_name == "structured_outputs":  # set by deployments/tools.py from one of these
+        if sampling_name == "structured_outputs":  # the request's own, else set by deployments/tools.py
+            if (given := constraint_fields(self)):
+                return given[0]
             forced = self.tools and self.tool_choice not in (None, "none", "auto")
             return "tools" if forced else "response_format"
         if sampling_name == "logprobs":
             return "top_logprobs"
         return "messages" if sampling_name == "prompt" else sampling_name
+
+
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def constraint_fields(req: _SamplingRequest) -> list[str]:
+    """The request's own constraint fields that are set: structured_outputs, guided_*, and on
+    completions response_format (chat's goes with tools: deployments/tools.py)."""
+    names = ["structured_outputs", *GUIDED_FIELDS]
+    if isinstance(req, CompletionRequest):
+        names.append("response_format")
+    return [name for name in names if getattr(req, name) is not None
+            and not (name == "response_format" and req.response_format.type == "text")]
+
+
+def requested_constraint(req: _SamplingRequest) -> dict[str, Any] | None:
+    """SamplingParams.structured_outputs from the request's own constraint field; ConfigError when
+    there are several (the message names the first)."""
+    given = constraint_fields(req)
+    if len(given) > 1:
+        raise ConfigError(f"{given[0]}={_shown(getattr(req, given[0]))} cannot be combined with {given[1]}; "
+                          "allowed: one constraint per request")
+    if not given:
+        return None
+    name = given[0]
+    if name == "structured_outputs":
+        return dict(req.structured_outputs)
+    if name == "response_format":
+        return response_format_constraint(req.response_format)
+    return {GUIDED_FIELDS[name]: getattr(req, name)}
+
+
+def _shown(value) -> str:
+    value = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+    return f"{value!r:.60}"
+
+
+def response_format_constraint(fmt: ResponseFormat | None) -> dict[str, Any] | None:
+    """structured_outputs for OpenAI's response_format (None for text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"json_object": True}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ConfigError("response_format={'type': 'json_schema'} has no json_schema.schema; "
+                          "allowed: {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
+    return {"json": fmt.json_schema.schema_}
 
 
 def to_generate_requests(req: CompletionRequest | ChatCompletionRequest,
@@ -277,14 +344,20 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                         request_id: str | None = None) -> GenerateRequest:
     """The engine request for an OpenAI request; `sampling` holds ponytail.SamplingParams fields."""
     sampling = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    if (constraint := requested_constraint(req)) is not None:
+        sampling["structured_outputs"] = constraint
     if req.logit_bias:
         sampling["logit_bias"] = _token_keys(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
         sampling.update(chat_logprob_fields(req))
-        return GenerateRequest(messages=[m.to_dict() for m in req.messages], sampling=sampling,
-                               request_id=request_id or new_request_id("chatcmpl"))
+        messages = [m.to_dict() for m in req.messages]
+        kwargs = template_kwargs(req)
+        check_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
+        return GenerateRequest(messages=messages, sampling=sampling, request_id=request_id or new_request_id("chatcmpl"),
+                               chat_template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
@@ -292,6 +365,16 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
             sampling["prompt_logprobs"] = req.logprobs
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo))
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
+    """chat_template_kwargs, with reasoning_effort as vLLM passes it: itself, and enable_thinking
+    (false for "none") unless the request set that."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+        kwargs.setdefault("enable_thinking", req.reasoning_effort != "none")
+    return kwargs or None
 
 
 def _token_keys(bias: dict[str, float]) -> dict[int, float]:
@@ -354,6 +437,7 @@ class ChatMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCall] | None = _omit_if_none()
+    reasoning: str | None = _omit_if_none()  # a reasoning model's thinking (vLLM's field; deployments/reasoning.py)
 
 
 class ChatChoice(BaseModel):
@@ -388,6 +472,7 @@ class ToolCallDelta(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = _omit_if_none()  # only in the first chunk
     content: str | None = _omit_if_none()
+    reasoning: str | None = _omit_if_none()  # a reasoning model's thinking (vLLM's field; deployments/reasoning.py)
     tool_calls: list[ToolCallDelta] | None = _omit_if_none()
 
 
@@ -439,6 +524,18 @@ class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessageParam] | None = None
+    # with messages: the chat template's options, as in a chat request
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """GenerateRequest's fields for the chat template (checked: ConfigError names the field)."""
+        check_template_options(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
+        return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message,
+                "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None}
 
 
 class TokenizeResponse(BaseModel):

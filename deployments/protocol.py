@@ -18,6 +18,11 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat messages; the replica applies the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
+    # The chat template's options (vLLM's request fields): names it reads (enable_thinking, ...),
+    # whether to open the assistant's answer, or to continue the last message as it stands.
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
@@ -73,6 +78,7 @@ class ModelInfo:
     root: str | None = None  # where the tokenizer loads from (a local path or hub id), for clients
     aliases: list[str] = field(default_factory=list)  # other names requests may use (listed after model_id)
     tool_call_format: str | None = None  # how the chat template writes tool calls (tool_parsers.py); None: no format
+    reasoning_format: str | None = None  # how answers split into thought and content (reasoning.py); None: no split
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

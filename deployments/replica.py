@@ -20,7 +20,8 @@ from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template
+from .prompts import check_template_options, prompt_token_ids, tokenizer_fingerprint, use_chat_template
+from .reasoning import REASONING_PARSERS, served_reasoning_format
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
@@ -45,7 +46,7 @@ class EngineReplica:
                  prefill_delay_factor: float | None = None, generation_config: str = "auto",
                  fuse_projections: bool | None = None, prefill_attention: str | None = None,
                  column_major_weights: bool | None = None, chat_template: str | None = None,
-                 tool_call_parser: str = "auto"):
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -53,13 +54,17 @@ class EngineReplica:
         process (ponytail.ProcessAsyncLLM); None: on where the engine runs on a GPU. generation_config:
         "auto" fills the sampling fields a request leaves unset from the model's generation_config.json
         (generation_defaults.py), "ponytail" leaves SamplingParams' defaults. chat_template: the template's
-        text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS."""
+        text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS.
+        reasoning_parser: reasoning.REASONING_PARSERS."""
         if generation_config not in ("auto", "ponytail"):  # before seconds of loading
             raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
                                        "(the model's generation_config.json fills unset sampling fields), ponytail")
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ponytail.ConfigError(f"tool_call_parser={tool_call_parser!r} is not supported; allowed: "
                                        f"{', '.join(TOOL_CALL_PARSERS)}")
+        if reasoning_parser not in REASONING_PARSERS:
+            raise ponytail.ConfigError(f"reasoning_parser={reasoning_parser!r} is not supported; allowed: "
+                                       f"{', '.join(REASONING_PARSERS)}")
         llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
@@ -92,11 +97,12 @@ class EngineReplica:
             if self.sampling_defaults:
                 logger.info("requests that leave them unset sample with the model's generation_config.json: %s "
                             "(generation_config: ponytail turns this off)", self.sampling_defaults)
+        template = getattr(self.tokenizer, "chat_template", None)
         self.info = ModelInfo(model_id=served, max_model_len=self.llm.max_model_len, block_size=self.llm.block_size,
                               device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [],
-                              tool_call_format=served_tool_call_format(
-                                  tool_call_parser, getattr(self.tokenizer, "chat_template", None)))
+                              tool_call_format=served_tool_call_format(tool_call_parser, template),
+                              reasoning_format=served_reasoning_format(reasoning_parser, template))
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len
@@ -126,6 +132,9 @@ class EngineReplica:
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
+        if request.messages is not None:  # the ingress checked these; other Ray apps' requests come here directly
+            check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
+                                   request.continue_final_message, request.messages)
         prompt = self._given_token_ids(request)
         if prompt is None:
             prompt = await asyncio.to_thread(self._prompt_token_ids, request)
@@ -194,10 +203,15 @@ class EngineReplica:
             out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
                                                  params.prompt_logprobs)
 
-    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
+                       options: dict | None = None) -> list[int]:
         """The token ids the engine would compute for a completions prompt or chat messages (in a
-        worker thread, as generate's: a huge prompt must not stall other streams)."""
-        request = GenerateRequest(prompt=prompt, messages=messages)
+        worker thread, as generate's: a huge prompt must not stall other streams); options: the chat
+        template's (GenerateRequest's tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
+        request = GenerateRequest(prompt=prompt, messages=messages, **(options or {}))
+        if messages is not None:
+            check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
+                                   request.continue_final_message, messages)
         return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request, self.segments))
 
     async def detokenize(self, token_ids: list[int]) -> str:

@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from ponytail import ConfigError
 
 from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, ChatMessage, FunctionCall, FunctionCallDelta,
-                              ToolCall, ToolCallDelta, Usage)
+                              ToolCall, ToolCallDelta, Usage, constraint_fields, response_format_constraint)
 from .protocol import GenerateRequest
 from .tool_parsers import MISTRAL, call_stream, parse
 
@@ -79,27 +79,20 @@ def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
         plan = dataclasses.replace(plan, short_ids=True)
     if plan is not None and plan.format is not None and req.skip_special_tokens is None:
         generate.sampling["skip_special_tokens"] = False  # some tokenizers make the call tags special
-    response = _response_schema(req)
+    response = response_format_constraint(req.response_format)
     if plan is not None and response is not None:
         raise ConfigError(f"response_format={req.response_format.type!r} cannot be combined with "
                           f"tool_choice={_show(req.tool_choice)}; allowed: one of them")
+    if (schema is not None or response is not None) and "structured_outputs" in generate.sampling:
+        other = f"tool_choice={_show(req.tool_choice)}" if schema is not None else "response_format"
+        name = constraint_fields(req)[0]
+        raise ConfigError(f"{name}={getattr(req, name)!r:.60} cannot be combined with {other}; allowed: one "
+                          "constraint per request")
     if schema is not None:
         generate.sampling["structured_outputs"] = {"json": schema}
     elif response is not None:
         generate.sampling["structured_outputs"] = response
     return plan
-
-
-def _response_schema(req: ChatCompletionRequest) -> dict | None:
-    fmt = req.response_format
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "json_object":
-        return {"json_object": True}
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise ConfigError("response_format={'type': 'json_schema'} has no json_schema.schema; "
-                          "allowed: {'type': 'json_schema', 'json_schema': {'name': ..., 'schema': {...}}}")
-    return {"json": fmt.json_schema.schema_}
 
 
 def _tool_schema(req: ChatCompletionRequest, tools: list,

@@ -12,7 +12,6 @@ import threading
 import time
 from enum import Enum
 
-import jinja2
 import pytest
 
 pytest.importorskip("xgrammar")
@@ -229,6 +228,36 @@ def test_tool_results_go_through_the_chat_template(client):
     assert completion.usage.prompt_tokens > 60  # the call and its result are in the prompt
 
 
+def test_vllm_constraints_bind_chat_and_completions(client):
+    """structured_outputs (vLLM's field: choice, regex, grammar, json), its older guided_* names,
+    and response_format on completions, through the openai SDK's extra_body."""
+    import re
+
+    cities = ["Paris", "Rome", "Madrid"]
+    for extra in ({"structured_outputs": {"choice": cities}}, {"guided_choice": cities}):
+        for seed in range(3):
+            chat = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=8, temperature=1.0,
+                                                  seed=seed, extra_body=extra)
+            assert chat.choices[0].message.content in cities and chat.choices[0].finish_reason == "stop"
+    text = client.completions.create(model=MODEL, prompt="A code:", max_tokens=12, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"regex": r"[A-Z]{3}-[0-9]{2}"}}).choices[0].text
+    assert re.fullmatch(r"[A-Z]{3}-[0-9]{2}", text), text
+    grammar = 'root ::= "yes" | "no"'
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=MODEL, messages=ASK, max_tokens=4, stream=True, extra_body={"guided_grammar": grammar}) if c.choices)
+    assert streamed in ("yes", "no")
+    pet = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"],
+           "additionalProperties": False}
+    whole = client.completions.create(model=MODEL, prompt="A pet as JSON:", max_tokens=60, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "pet", "schema": pet}}})
+    assert set(json.loads(whole.choices[0].text)) == {"name"}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body={
+            "response_format": {"type": "json_object"}, "guided_choice": ["a"]})
+    assert caught.value.body["param"] == "guided_choice" and "cannot be combined with response_format" in \
+        caught.value.body["message"]
+
+
 @pytest.mark.parametrize("kwargs, param, words", [
     (dict(tools=[WEATHER]), "tool_choice", "'auto'"),
     (dict(tools=[WEATHER], tool_choice="auto"), "tool_choice", "not supported"),
@@ -239,8 +268,17 @@ def test_tool_results_go_through_the_chat_template(client):
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), "response_format", "schema"),
     (dict(response_format={"type": "json_object"}, tools=[WEATHER], tool_choice="required"), "response_format",
      "cannot be combined"),
-    (dict(extra_body={"guided_json": {"type": "object"}}), "guided_json", "not supported"),
-    (dict(extra_body={"structured_outputs": {"json": {"type": "object"}}}), "structured_outputs", "not supported"),
+    (dict(extra_body={"guided_decoding_backend": "outlines"}), "guided_decoding_backend", "not supported"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"]}, "guided_regex": "a"}), "structured_outputs",
+     "cannot be combined with guided_regex"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"]}}, response_format={"type": "json_object"}),
+     "structured_outputs", "cannot be combined with response_format"),
+    (dict(extra_body={"structured_outputs": {"choice": ["a"]}}, tools=[WEATHER], tool_choice="required"),
+     "structured_outputs", "cannot be combined with tool_choice='required'"),
+    (dict(extra_body={"structured_outputs": {"regex": "[a-"}}), "structured_outputs", "cannot be compiled"),
+    (dict(extra_body={"structured_outputs": {"choice": []}}), "structured_outputs", "non-empty list"),
+    (dict(extra_body={"structured_outputs": {"whitespace_pattern": " "}}), "structured_outputs",
+     "unsupported field(s) ['whitespace_pattern']"),
     (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}),
      "response_format", "cannot be compiled"),
 ])
@@ -340,7 +378,8 @@ def test_earlier_calls_with_long_ids_render_in_a_mistral_template(replica):
                                                                             "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_9f8e7d6c5b4a", "content": "18 degrees"}]
     req = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])
-    with pytest.raises(jinja2.TemplateError, match="length 9"):  # the client's ids as they came
+    with pytest.raises(ponytail.ConfigError, match="messages: the chat template refused them: .*length 9"):
+        # the client's ids as they came: a 400 naming messages
         chat_token_ids(tokenizer, to_generate_request(req, "r").messages)
     generate = to_generate_request(req, "r")
     plan_structured(req, generate, MISTRAL)

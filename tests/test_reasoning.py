@@ -1,0 +1,179 @@
+"""A reasoning model's thought split from its answer (deployments/reasoning.py, vLLM's
+--reasoning-parser): the format found from the template, the split cut anywhere, and the API's
+`reasoning` field through the official openai client over a backend that writes a script."""
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deployments.reasoning import (DEEPSEEK_R1, QWEN3, ThoughtStream, reasoning_format, served_reasoning_format,
+                                   split_reasoning, starts_in_thought)
+
+QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
+                  "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+R1_TEMPLATE = ("{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% endfor %}"
+               "{% if add_generation_prompt %}<|Assistant|><think>\n{% endif %}")
+
+
+def test_the_format_is_found_from_the_template_or_set_by_the_operator():
+    assert reasoning_format(QWEN3_TEMPLATE) == QWEN3
+    assert reasoning_format(R1_TEMPLATE) == DEEPSEEK_R1
+    assert reasoning_format({"default": "{{ messages }}", "tool_use": QWEN3_TEMPLATE}) == QWEN3
+    assert reasoning_format("{{ messages }}") is None and reasoning_format(None) is None
+    assert served_reasoning_format("auto", R1_TEMPLATE) == DEEPSEEK_R1
+    assert served_reasoning_format("none", QWEN3_TEMPLATE) is None  # the thought stays in the content
+    assert served_reasoning_format(QWEN3, "{{ messages }}") == QWEN3  # forced, whatever the template
+    with pytest.raises(ValueError, match="reasoning_parser='o1' is not supported; allowed: auto, deepseek_r1, "
+                                         "qwen3, none"):
+        served_reasoning_format("o1", None)
+
+
+def test_thinking_follows_enable_thinking_under_qwen3_only():
+    assert starts_in_thought(QWEN3, None) and starts_in_thought(QWEN3, {"enable_thinking": True})
+    assert not starts_in_thought(QWEN3, {"enable_thinking": False})
+    assert starts_in_thought(DEEPSEEK_R1, {"enable_thinking": False})  # R1's template always opens the thought
+
+
+@pytest.mark.parametrize("text, thinking, expected", [
+    ("<think>\nI recall it.\n</think>\n\nParis.", True, ("I recall it.", "Paris.")),  # Qwen3 writes the tag
+    ("I recall it.\n</think>\n\nParis.", True, ("I recall it.", "Paris.")),  # R1: the prompt opened it
+    ("Still thinking when max_tokens hit", True, ("Still thinking when max_tokens hit", "")),
+    ("Paris.", False, (None, "Paris.")),  # enable_thinking false: the answer as written
+    ("a</think>b</think>c", True, ("a", "bc")),  # a stray close after the thought is dropped
+    ("Check.\n<tool_call>\n{}\n</tool_call>", True, ("Check.", "<tool_call>\n{}\n</tool_call>")),
+    ("<think>a <think> b</think>c", True, ("a  b", "c")),
+    ("\n\n", True, (None, "")),
+])
+def test_whole_answers_split(text, thinking, expected):
+    assert split_reasoning(text, thinking) == expected
+
+
+_PIECES = st.sampled_from(["<think>", "</think>", "<tool_call>", "<", "</", "think", ">", " ", "\n", "a", "b c",
+                           "</thi", "nk>", "<tool_", "call>"])
+
+
+@settings(max_examples=400, deadline=None)
+@given(pieces=st.lists(_PIECES, max_size=12), thinking=st.booleans(), data=st.data())
+def test_a_stream_cut_anywhere_says_what_the_whole_answer_says(pieces, thinking, data):
+    text = "".join(pieces)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    stream, events = ThoughtStream(thinking), []
+    for start, end in zip([0, *cuts], [*cuts, len(text)]):
+        events += stream.feed(text[start:end])
+    events += stream.finish()
+    reasoning = "".join(t for kind, t in events if kind == "reasoning") or None
+    assert (reasoning, "".join(t for kind, t in events if kind == "content")) == split_reasoning(text, thinking)
+    assert all(t for _, t in events)  # no empty events
+
+
+# ---------------------------------------------------------------------------------------- the API
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from deployments.local_server import serve_on_loopback  # noqa: E402
+from deployments.openai_api import build_app  # noqa: E402
+from deployments.protocol import ModelInfo  # noqa: E402
+from test_tool_choice_auto import MODEL, WEATHER, ScriptedBackend  # noqa: E402
+
+ASK = [{"role": "user", "content": "Capital of France?"}]
+THOUGHT = ["<think>", "\nThe user asks", " for France's capital.", "\n</th", "ink>\n\n", "Paris", "."]
+
+
+class ReasoningBackend(ScriptedBackend):
+    def __init__(self, reasoning: str | None = QWEN3):
+        super().__init__()
+        self.reasoning_format = reasoning
+
+    async def model_info(self) -> ModelInfo:
+        info = await super().model_info()
+        info.reasoning_format = self.reasoning_format
+        return info
+
+
+@pytest.fixture(scope="module")
+def served():
+    backend = ReasoningBackend()
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            yield backend, client
+
+
+def _streamed(client, **kwargs) -> tuple[str | None, str | None, list]:
+    chunks = [c for c in client.chat.completions.create(model=MODEL, stream=True, **kwargs) if c.choices]
+    deltas = [c.choices[0].delta for c in chunks]
+    reasoning = "".join(getattr(d, "reasoning", None) or "" for d in deltas) or None
+    content = "".join(d.content or "" for d in deltas) or None
+    return reasoning, content, chunks
+
+
+def test_the_thought_comes_back_as_reasoning_whole_and_streamed(served):
+    backend, client = served
+    backend.script = THOUGHT
+    message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert (message.reasoning, message.content) == ("The user asks for France's capital.", "Paris.")
+    reasoning, content, chunks = _streamed(client, messages=ASK)
+    assert (reasoning, content) == ("The user asks for France's capital.", "Paris.")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    assert backend.requests[-1].sampling["skip_special_tokens"] is False  # tags some tokenizers mark special stay
+
+
+def test_enable_thinking_false_and_reasoning_effort_none_answer_without_a_split(served):
+    backend, client = served
+    backend.script = ["Paris </think>is it."]
+    for extra in ({"chat_template_kwargs": {"enable_thinking": False}}, {"reasoning_effort": "none"}):
+        message = client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra).choices[0].message
+        assert message.content == "Paris is it." and getattr(message, "reasoning", None) is None
+        assert backend.requests[-1].chat_template_kwargs["enable_thinking"] is False  # for the template
+    assert backend.requests[-1].chat_template_kwargs == {"reasoning_effort": "none", "enable_thinking": False}
+    client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"reasoning_effort": "high"})
+    assert backend.requests[-1].chat_template_kwargs == {"reasoning_effort": "high", "enable_thinking": True}
+
+
+def test_a_thought_cut_short_is_all_reasoning_and_include_reasoning_false_drops_it(served):
+    backend, client = served
+    backend.script = ["<think>\nStill", " going"]
+    message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert (message.reasoning, message.content) == ("Still going", None)
+    backend.script = THOUGHT
+    message = client.chat.completions.create(model=MODEL, messages=ASK,
+                                             extra_body={"include_reasoning": False}).choices[0].message
+    assert (getattr(message, "reasoning", None), message.content) == (None, "Paris.")
+    assert _streamed(client, messages=ASK, extra_body={"include_reasoning": False})[:2] == (None, "Paris.")
+
+
+def test_a_tool_call_after_the_thought_is_read_as_a_call(served):
+    backend, client = served
+    backend.script = ["<think>\nI need the weather.\n</think>\n\n", "<tool_call>\n",
+                      '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>']
+    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning == "I need the weather."
+    (call,) = choice.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    reasoning, content, chunks = _streamed(client, messages=ASK, tools=[WEATHER])
+    assert (reasoning, content) == ("I need the weather.", None)
+    calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [c.function.name for c in calls] == ["get_weather"]
+
+
+def test_earlier_reasoning_reaches_the_template_under_both_names(served):
+    backend, client = served
+    backend.script = ["<think>ok</think>Fine."]
+    for name in ("reasoning", "reasoning_content"):
+        history = ASK + [{"role": "assistant", "content": "Paris.", name: "Capital: Paris."},
+                         {"role": "user", "content": "And Italy?"}]
+        client.chat.completions.create(model=MODEL, messages=history)
+        assert backend.requests[-1].messages[1]["reasoning_content"] == "Capital: Paris."
+
+
+def test_a_model_without_a_reasoning_format_keeps_the_thought_in_the_content():
+    backend = ReasoningBackend(reasoning=None)
+    backend.script = THOUGHT
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+    assert message.content == "".join(THOUGHT) and getattr(message, "reasoning", None) is None
+    assert "skip_special_tokens" not in backend.requests[-1].sampling
