@@ -59,6 +59,8 @@ class RequestLimits:
                                 f"(max_model_len={max_model_len})", max_tokens_field,
                                 code="context_length_exceeded")
         prompt = getattr(request, "prompt", None)
+        if getattr(request, "truncate_prompt_tokens", None) is not None:
+            prompt = None  # the replica keeps only what fits (or refuses a truncate_prompt_tokens beyond it)
         most = self.prompt_tokens(max_model_len)
         batch = isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt)
         for one in (prompt if batch else [prompt]):  # a completions request may carry a list of prompts

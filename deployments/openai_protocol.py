@@ -65,6 +65,12 @@ def _unsupported(ok, what: str):
     return AfterValidator(validate)
 
 
+def _not_zero(value: int) -> int:
+    if value == 0:
+        raise PydanticCustomError("value_error", "must be a positive number of tokens to keep, or -1 (what fits)")
+    return value
+
+
 Prompt = Annotated[str | list[int] | list[str] | list[list[int]], _one_error(
     "must be a string, a list of token ids (integers), or a list of strings or of token-id lists")]
 Stop = Annotated[str | list[str] | None, _one_error("must be a string or a list of strings")]
@@ -116,6 +122,21 @@ class _SamplingRequest(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: Annotated[Unsupported, _unsupported(
         lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
+    # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
+    # vLLM's extras the engine cannot honour yet: refused with their values rather than ignored
+    use_beam_search: Annotated[Unsupported, _unsupported(lambda v: v is False, "use_beam_search")] = None
+    length_penalty: Annotated[Unsupported, _unsupported(lambda v: v == 1, "length_penalty other than 1")] = None
+    priority: Annotated[Unsupported, _unsupported(
+        lambda v: v == 0, "priority other than 0 (requests are served first come, first served)")] = None
+    allowed_token_ids: Annotated[Unsupported, _unsupported(
+        lambda v: False, "allowed_token_ids (use logit_bias)")] = None
+    bad_words: Annotated[Unsupported, _unsupported(lambda v: v == [], "bad_words")] = None
+    logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
+    return_tokens_as_token_ids: Annotated[Unsupported, _unsupported(
+        lambda v: v is False, "return_tokens_as_token_ids")] = None
+    cache_salt: Annotated[Unsupported, _unsupported(
+        lambda v: False, "cache_salt (the prefix cache is shared by every request to the model)")] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -143,6 +164,11 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
     response_format: ResponseFormat | None = None  # as in chat (vLLM takes it here too)
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
+    add_special_tokens: Annotated[Unsupported, _unsupported(
+        lambda v: v is True, "add_special_tokens=false (a text prompt gets the tokenizer's special tokens; send "
+                             "token ids for another prompt)")] = None
+    prompt_logprobs: Annotated[Unsupported, _unsupported(
+        lambda v: False, "prompt_logprobs as a field (use echo with logprobs)")] = None
 
 
 class TextPart(_Request):
@@ -253,6 +279,12 @@ class ChatCompletionRequest(_SamplingRequest):
     include_reasoning: bool = True  # False: a reasoning model's thinking is left out of the answer
     chat_template: Annotated[Unsupported, _unsupported(
         lambda v: False, "chat_template per request (the server's chat_template sets it)")] = None
+    documents: Annotated[Unsupported, _unsupported(lambda v: False, "documents")] = None
+    add_special_tokens: Annotated[Unsupported, _unsupported(
+        lambda v: v is False, "add_special_tokens=true on chat (the template writes the special tokens)")] = None
+    thinking_token_budget: Annotated[Unsupported, _unsupported(lambda v: False, "thinking_token_budget")] = None
+    prompt_logprobs: Annotated[Unsupported, _unsupported(
+        lambda v: False, "prompt_logprobs on chat (completions: echo with logprobs)")] = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
@@ -355,16 +387,17 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         messages = [m.to_dict() for m in req.messages]
         kwargs = template_kwargs(req)
         check_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
-        return GenerateRequest(messages=messages, sampling=sampling, request_id=request_id or new_request_id("chatcmpl"),
-                               chat_template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
-                               continue_final_message=req.continue_final_message)
+        return GenerateRequest(messages=messages, sampling=sampling,
+                               request_id=request_id or new_request_id("chatcmpl"), chat_template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+                               continue_final_message=req.continue_final_message,
+                               truncate_prompt_tokens=req.truncate_prompt_tokens)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
         if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
             sampling["prompt_logprobs"] = req.logprobs
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
-                           echo=bool(req.echo))
+                           echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -35,8 +35,8 @@ def use_chat_template(tokenizer: Any, template: str | None) -> None:
 # apply_chat_template's own parameters, which the server sets: chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
 
 
 def check_template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool,

@@ -23,6 +23,7 @@ class GenerateRequest:
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    truncate_prompt_tokens: int | None = None  # run only the prompt's last this many tokens (-1: what fits)
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which

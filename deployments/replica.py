@@ -131,7 +131,8 @@ class EngineReplica:
         params = SamplingParams(**{**self.sampling_defaults, **request.sampling})  # ConfigError names the bad field
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
-        self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
+        if request.truncate_prompt_tokens is None:  # a prompt cut to fit may be any length
+            self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
         if request.messages is not None:  # the ingress checked these; other Ray apps' requests come here directly
             check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
                                    request.continue_final_message, request.messages)
@@ -139,6 +140,7 @@ class EngineReplica:
         if prompt is None:
             prompt = await asyncio.to_thread(self._prompt_token_ids, request)
         self.admit_seconds += time.monotonic() - called
+        prompt = self._truncated(prompt, request.truncate_prompt_tokens, params.max_tokens)
         if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
             raise ponytail.ContextLengthError(
                 f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
@@ -239,6 +241,21 @@ class EngineReplica:
                 f"prompt has at least {least} tokens ({size} bytes of text, at most {self.max_token_bytes} per "
                 f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
                 least, params.max_tokens, self.max_prompt_tokens)
+
+    def _truncated(self, prompt, keep: int | None, max_tokens: int | None):
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens); -1: as many as fit in the
+        context with max_tokens after them (and within max_prompt_tokens)."""
+        if keep is None:
+            return prompt
+        if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0:
+            raise ponytail.ConfigError(f"truncate_prompt_tokens={keep!r} is invalid; allowed: a positive integer "
+                                       "(the prompt's last this many tokens) or -1 (as many as the context allows)")
+        if not isinstance(prompt, list):
+            raise ponytail.ConfigError("truncate_prompt_tokens needs the prompt as token ids, and this model has no "
+                                       "tokenizer; allowed: token-id prompts, or no truncate_prompt_tokens")
+        if keep == -1:
+            keep = max(1, min(self.max_prompt_tokens, self.info.max_model_len - (max_tokens or 0)))
+        return prompt[-keep:]
 
     def _given_token_ids(self, request: GenerateRequest) -> list[int] | None:
         """The prompt's token ids when the request brings them: a token-id prompt, or the router's

@@ -1,0 +1,79 @@
+"""vLLM's request extras beyond the sampling fields: truncate_prompt_tokens runs (on the real
+engine), and those the engine cannot honour yet are 400s naming them, never silently ignored."""
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from deployments.local_server import serve_on_loopback  # noqa: E402
+from deployments.openai_api import build_app  # noqa: E402
+from test_tool_choice_auto import MODEL, ScriptedBackend  # noqa: E402
+
+ASK = [{"role": "user", "content": "Capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    backend = ScriptedBackend(tool_call_format=None)
+    backend.script = ["Paris."]
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            yield backend, client
+
+
+@pytest.mark.parametrize("extra, param, words", [
+    ({"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
+    ({"length_penalty": 0.5}, "length_penalty", "length_penalty other than 1"),
+    ({"priority": -1}, "priority", "first come, first served"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "use logit_bias"),
+    ({"bad_words": ["x"]}, "bad_words", "bad_words is not supported"),
+    ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
+    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "not supported"),
+    ({"cache_salt": "tenant-1"}, "cache_salt", "shared by every request"),
+    ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported"),
+    ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
+    ({"thinking_token_budget": 100}, "thinking_token_budget", "not supported"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "completions: echo with logprobs"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive number of tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
+])
+def test_extras_the_engine_cannot_honour_are_400s_naming_them(scripted, extra, param, words):
+    backend, client = scripted
+    before = len(backend.requests)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
+    error = caught.value.body
+    assert error["param"] == param and words in error["message"], error
+    assert len(backend.requests) == before
+
+
+def test_their_default_values_change_nothing_and_pass(scripted):
+    backend, client = scripted
+    extra = {"use_beam_search": False, "length_penalty": 1.0, "priority": 0, "bad_words": [],
+             "return_tokens_as_token_ids": False, "add_special_tokens": False}
+    assert client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra).choices[0].message.content \
+        == "Paris."
+    completion = client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": True})
+    assert completion.choices[0].text == "Paris."
+    with pytest.raises(openai.BadRequestError, match="add_special_tokens=false"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": False})
+
+
+@pytest.mark.network  # the default model
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
+    from openai_support import served_openai
+
+    with served_openai() as (replica, client, _):
+        ids = replica.tokenizer("one two three four five six seven eight nine ten eleven twelve")["input_ids"]
+        args = dict(model="SmolLM2-135M-Instruct", max_tokens=4, temperature=0)
+        cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5}, **args)
+        assert cut.usage.prompt_tokens == 5
+        assert cut.choices[0].text == client.completions.create(prompt=ids[-5:], **args).choices[0].text
+        chat = client.chat.completions.create(messages=ASK, extra_body={"truncate_prompt_tokens": 6}, **args)
+        assert chat.usage.prompt_tokens == 6
+        too_long = ids * (2 * replica.max_prompt_tokens // len(ids))  # more than the context holds
+        with pytest.raises(openai.BadRequestError, match="prompt has"):
+            client.completions.create(prompt=too_long, **args)
+        fitted = client.completions.create(prompt=too_long, extra_body={"truncate_prompt_tokens": -1}, **args)
+        assert fitted.usage.prompt_tokens == replica.info.max_model_len - 4  # room for max_tokens
