@@ -124,9 +124,10 @@ class AppArgs(BaseModel):
     chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
                                       "served instead of the tokenizer's (vLLM's --chat-template); a file is read "
                                       "where the app is built, so replicas on other nodes need no copy")
-    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral", "pythonic", "none"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic", "none"] = Field(
         "auto", description="how tool_choice auto reads calls from the model's text (vLLM's --tool-call-parser): "
-                            "auto finds the format from the chat template (<tool_call>: hermes, <|python_tag|>: "
+                            "auto finds the format from the chat template (<tool_call>: hermes, which also reads "
+                            "Qwen3-Coder's <function=...> XML, as qwen3_coder does; <|python_tag|>: "
                             "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); pythonic (Llama 3.2/4's "
                             "[f(a=1)]) only when set; none reads no calls")
     reasoning_parser: Literal["auto", "deepseek_r1", "qwen3", "none"] = Field(

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from .openai_protocol import ChatDelta
+from .tool_parsers import partial_tag
 
 DEEPSEEK_R1, QWEN3 = "deepseek_r1", "qwen3"
 THINK_START, THINK_END = "<think>", "</think>"
@@ -89,7 +90,7 @@ class ThoughtStream:
         found = [(self.held.find(tag), tag) for tag in tags]
         at, tag = min(((i, t) for i, t in found if i >= 0), default=(-1, None))
         if tag is None:
-            keep = _partial_tag(self.held, tags)
+            keep = max(partial_tag(self.held, tag) for tag in tags)
             text = self.held[: len(self.held) - keep]
             if self.thinking:  # trailing whitespace waits: it goes if `</think>` follows
                 stripped = text.rstrip()
@@ -126,17 +127,6 @@ class ThoughtStream:
             self.content_started = bool(text)
         if text:
             events.append((CONTENT, text))
-
-
-def _partial_tag(text: str, tags) -> int:
-    """Length of the longest end of `text` that begins one of `tags`."""
-    longest = 0
-    for tag in tags:
-        for size in range(min(len(tag) - 1, len(text)), longest, -1):
-            if text.endswith(tag[:size]):
-                longest = size
-                break
-    return longest
 
 
 def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:

@@ -10,7 +10,8 @@ for them in tools.py):
   between `<tool_call>` and `</tool_call>` (or a list of such objects in one block), any text
   around the calls is the answer's content. `HermesCallStream` sends text as it comes except a
   tail that may start `<tool_call>`, and each call once its block closes (its arguments in one
-  delta, which OpenAI's stream format allows).
+  delta, which OpenAI's stream format allows). A block may hold Qwen3-Coder's XML call instead
+  (xml_tool_calls.py; vLLM's `qwen3_coder`), whose text values the tool's schema types (tools.py).
 - "llama3_json" (the template has Llama 3.1-3.3's `<|python_tag|>`; vLLM's `llama3_json`): an
   answer that is calls is only calls, JSON objects {"name": ..., "parameters": {...}} separated by
   `;`, after an optional `<|python_tag|>`. `Llama3JsonCallStream` holds an answer that opens with
@@ -39,6 +40,8 @@ import json
 import re
 from dataclasses import dataclass
 
+from .xml_tool_calls import xml_calls
+
 HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC = "hermes", "llama3_json", "mistral", "pythonic"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -49,7 +52,9 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI allows a fu
 
 # What an operator may set as tool_call_parser (vLLM's --tool-call-parser): "auto" finds the format
 # from the served template, "none" reads no calls (tool_choice "auto" refused), a format forces it.
-TOOL_CALL_PARSERS = ("auto", HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, "none")
+# qwen3_coder (vLLM's name for Qwen3-Coder's XML calls) is hermes here: one reader takes both bodies.
+QWEN3_CODER = "qwen3_coder"
+TOOL_CALL_PARSERS = ("auto", HERMES, QWEN3_CODER, LLAMA3_JSON, MISTRAL, PYTHONIC, "none")
 
 
 def served_tool_call_format(parser: str, chat_template) -> str | None:
@@ -58,6 +63,8 @@ def served_tool_call_format(parser: str, chat_template) -> str | None:
         raise ValueError(f"tool_call_parser={parser!r} is not supported; allowed: {', '.join(TOOL_CALL_PARSERS)}")
     if parser == "auto":
         return tool_call_format(chat_template)
+    if parser == QWEN3_CODER:
+        return HERMES
     return None if parser == "none" else parser
 
 
@@ -81,11 +88,18 @@ class ParsedCall:
 
     name: str
     arguments: str
+    text_values: bool = False  # every argument is text as written (XML calls): the tool's schema types them
+
+
 
 
 def _calls(body: str) -> list[ParsedCall] | None:
     """The calls in one `<tool_call>` block's body: an object, or a list of them (some fine-tunes
-    write one block for all their calls); None when it is not that (bad JSON, a call without a name)."""
+    write one block for all their calls), or Qwen3-Coder's `<function=...>` XML; None when it is
+    not that (bad JSON, a call without a name)."""
+    xml = xml_calls(body)
+    if xml is not None:
+        return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in xml]
     try:
         items = json.loads(body)
     except ValueError:
@@ -138,7 +152,7 @@ class HermesCallStream:
                 self._body = []
                 text = text[start + len(OPEN):]
                 continue
-            keep = _partial_tag(text)
+            keep = partial_tag(text)
             self._content(events, text[:len(text) - keep])
             self._held = text[len(text) - keep:]
             break
@@ -263,7 +277,7 @@ class MistralCallStream:
             before = text[:start].rstrip()
             self._held, self._calls = text[len(before):start], text[start:]
             return self._content(before)
-        sent = text[:len(text) - _partial_tag(text, TOOL_CALLS)].rstrip()  # a tag's start, and blanks before
+        sent = text[:len(text) - partial_tag(text, TOOL_CALLS)].rstrip()  # a tag's start, and blanks before
         self._held = text[len(sent):]
         return self._content(sent)
 
@@ -358,7 +372,7 @@ def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
     return (content or None), calls
 
 
-def _partial_tag(text: str, tag: str = OPEN) -> int:
+def partial_tag(text: str, tag: str = OPEN) -> int:
     """Length of the longest tail of `text` that `tag` starts with (held back, it may be a tag)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):

@@ -42,6 +42,7 @@ from .openai_protocol import (ChatChoice, ChatCompletionRequest, ChatDelta, Chat
                               ToolCall, ToolCallDelta, Usage, constraint_fields, response_format_constraint)
 from .protocol import GenerateRequest
 from .tool_parsers import MISTRAL, call_stream, parse
+from .xml_tool_calls import typed_arguments
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
 _CHOICES = "'none', 'required' or {'type': 'function', 'function': {'name': <one of tools>}}"
@@ -55,6 +56,14 @@ class ToolPlan:
     format: str | None = None  # 'auto': the model's own format (tool_parsers.FORMATS), read from free text
     parallel: bool = True  # 'auto': every call the model writes, else the first only
     short_ids: bool = False  # call ids of 9 letters or digits, which Mistral's templates take back
+    parameters: dict | None = None  # 'auto': each tool's parameters schema, which types XML calls' text values
+
+    def arguments(self, call) -> str:
+        """A parsed call's arguments as JSON text; XML calls' text values typed by the tool's schema."""
+        if not call.text_values:
+            return call.arguments
+        schema = (self.parameters or {}).get(call.name)
+        return json.dumps(typed_arguments(json.loads(call.arguments), schema))
 
 
 def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
@@ -102,7 +111,9 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
         return None, None
     if choice is None or choice == "auto":
         if tool_format is not None:
-            return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False), None
+            parameters = {tool.function.name: tool.function.parameters for tool in tools}
+            return ToolPlan(name=None, format=tool_format, parallel=req.parallel_tool_calls is not False,
+                            parameters=parameters), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
                           f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls, "
@@ -256,7 +267,7 @@ class ToolCallFormat:
                 number = self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
                 chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
                     index=number - 1, id=_call_id(self.plan), type="function",
-                    function=FunctionCallDelta(name=value.name, arguments=value.arguments))]), items=items))
+                    function=FunctionCallDelta(name=value.name, arguments=self.plan.arguments(value)))]), items=items))
             items = None  # a piece's logprobs go out once, with its first chunk
         return chunks
 
@@ -284,7 +295,8 @@ class ToolCallFormat:
         choice = self.chat_format.choice(index, text, finish_reason, items)
         if self.plan.format is not None:  # 'auto': calls and the text around them, read once
             content, parsed = parse(self.plan.format, text)
-            calls = [ToolCall(id=_call_id(self.plan), function=FunctionCall(name=c.name, arguments=c.arguments))
+            calls = [ToolCall(id=_call_id(self.plan),
+                              function=FunctionCall(name=c.name, arguments=self.plan.arguments(c)))
                      for c in (parsed if self.plan.parallel else parsed[:1])] or None
         else:
             content, calls = None, parse_calls(self.plan, text)

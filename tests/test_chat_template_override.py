@@ -60,13 +60,15 @@ def test_the_parser_setting_decides_the_served_format():
     assert served_tool_call_format(LLAMA3_JSON, HERMES_TEMPLATE) == LLAMA3_JSON  # forced, whatever the template
     assert AppArgs(tool_call_parser="mistral").tool_call_parser == "mistral"
     assert served_tool_call_format("pythonic", HERMES_TEMPLATE) == "pythonic"  # only ever set, never found
+    assert served_tool_call_format("qwen3_coder", None) == HERMES  # vLLM's name: the same blocks, XML bodies
+    assert AppArgs(tool_call_parser="qwen3_coder").tool_call_parser == "qwen3_coder"
     with pytest.raises(ValueError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes"):
         served_tool_call_format("xml", None)
 
 
 def test_a_replica_refuses_an_unknown_parser_before_loading():
     with pytest.raises(ponytail.ConfigError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes, "
-                                                   "llama3_json, mistral, pythonic, none"):
+                                                   "qwen3_coder, llama3_json, mistral, pythonic, none"):
         EngineReplica(device="cpu", tool_call_parser="xml")
 
 

@@ -99,6 +99,25 @@ def test_a_streamed_auto_answer_matches_the_whole_one(served):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_qwen3_coder_xml_calls_come_back_typed_by_the_tools_schema(served):
+    """Qwen3-Coder's <function=...> calls in the same blocks: text values get the schema's types."""
+    backend, client = served
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}}}}}
+    backend.script = ["Looking.\n<tool_call>\n<function=forecast>\n<parameter=city>\n", "2046\n</parameter>\n",
+                      "<parameter=days>\n3\n</parameter>\n<parameter=hourly>\nfalse\n</parameter>\n</function>\n",
+                      "</tool_call>"]
+    expected = {"city": "2046", "days": 3, "hourly": False}  # "2046" is a string: the schema says so
+    choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[forecast]).choices[0]
+    (call,) = choice.message.tool_calls
+    assert (choice.message.content, call.function.name, json.loads(call.function.arguments)) == (
+        "Looking.", "forecast", expected)
+    chunks = [c for c in client.chat.completions.create(model=MODEL, messages=ASK, tools=[forecast], stream=True)
+              if c.choices]
+    (delta,) = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert json.loads(delta.function.arguments) == expected and chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(served):
     backend, client = served
     backend.script = TWO_CALLS

@@ -79,8 +79,45 @@ def streamed(pieces, fmt=HERMES):
     return (content or None), [value for kind, value in events if kind == "call"], events
 
 
+XML_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
+               "</parameter>\n</function>\n</tool_call>")
+
+
+def test_qwen3_coder_xml_calls_are_read_in_the_same_blocks():
+    content, calls = hermes("Checking.\n" + XML_WEATHER + "\n" + TIME)
+    assert content == "Checking."
+    assert calls == [ParsedCall("get_weather", '{"city": "New York", "days": "3"}', text_values=True),
+                     ParsedCall("get_time", '{"zone": "UTC"}')]
+    two = "<tool_call>\n<function=f>\n</function>\n<function=g>\n<parameter=a>\nx\ny\n</parameter>\n</function>\n"
+    assert hermes(two + "</tool_call>")[1] == [ParsedCall("f", "{}", text_values=True),
+                                               ParsedCall("g", '{"a": "x\\ny"}', text_values=True)]
+    # unclosed tags at the end of an answer cut short still count, as vLLM reads them
+    assert hermes("<tool_call>\n<function=f>\n<parameter=a>\n1")[1] == [ParsedCall("f", '{"a": "1"}', True)]
+    for bad in ("<tool_call><function=f>text<parameter=a>1</parameter></function></tool_call>",
+                "<tool_call><function=bad name!></function></tool_call>",
+                "<tool_call><function=f></function> trailing</tool_call>"):
+        assert hermes(bad) == (bad, []), bad
+
+
+def test_xml_values_take_the_types_the_tools_schema_declares():
+    from deployments.xml_tool_calls import typed_arguments
+
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "tags": {"type": "array"},
+        "opts": {"type": "object"}, "zip": {"type": "string"}, "either": {"type": ["integer", "string"]}}}
+    text = {"n": "3", "x": "2.5", "ok": "True", "tags": '["a", "b"]', "opts": '{"k": 1}', "zip": "01234",
+            "either": "7", "free": "12"}
+    assert typed_arguments(text, schema) == {"n": 3, "x": 2.5, "ok": True, "tags": ["a", "b"], "opts": {"k": 1},
+                                             "zip": "01234", "either": 7, "free": "12"}
+    wrong = {"n": "three", "x": "true", "ok": "1", "tags": "a, b", "n2": "4.0"}
+    assert typed_arguments(wrong, schema) == wrong  # text that is not the declared type stays text
+    assert typed_arguments({"n": "4.0"}, schema) == {"n": "4.0"}  # no integer
+    assert typed_arguments({"a": "1"}, None) == {"a": "1"}
+
+
 TEXTS = st.lists(st.sampled_from(["Sure, ", "<", "tool", "_call", ">", WEATHER, TIME, "\n", " ", "x < y", "</tool_call>",
-                                  '{"name": "g"}', "<tool_call>", "done."]), max_size=12).map("".join)
+                                  '{"name": "g"}', "<tool_call>", "done.", XML_WEATHER, "<function=f>",
+                                  "<parameter=a>", "</parameter>", "</function>"]), max_size=12).map("".join)
 
 
 LLAMA3_CALL = '{"name": "get_weather", "parameters": {"city": "Paris"}}'

@@ -1,0 +1,95 @@
+"""Qwen3-Coder's XML tool calls (vLLM's `qwen3_coder` / `qwen3_xml` parsers), read inside the
+same `<tool_call>` blocks as Hermes JSON (tool_parsers.py):
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is text (its wrapping newlines are markup); `typed_arguments` gives it the
+type the tool's JSON schema declares (integer, number, boolean, object, array, null) where the text
+reads as one, as vLLM converts by the schema. Without a declared type a value stays a string.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+FUNCTION_TAG = "<function="  # in a chat template: it teaches this format
+_FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|\Z)", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
+_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+
+def xml_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
+    """(function name, {parameter: text}) for each `<function=...>` in a block's body; None unless
+    the body is only such functions (and whitespace)."""
+    if not body.lstrip().startswith(FUNCTION_TAG):
+        return None
+    calls, end = [], 0
+    for match in _FUNCTION.finditer(body):
+        if body[end:match.start()].strip():
+            return None
+        name = match.group(1).strip()
+        if not _NAME.fullmatch(name):
+            return None
+        inner, arguments, at = match.group(2), {}, 0
+        for parameter in _PARAMETER.finditer(inner):
+            if inner[at:parameter.start()].strip():
+                return None
+            arguments[parameter.group(1).strip()] = _unwrapped(parameter.group(2))
+            at = parameter.end()
+        if inner[at:].strip():
+            return None
+        calls.append((name, arguments))
+        end = match.end()
+    return calls if calls and not body[end:].strip() else None
+
+
+def _unwrapped(value: str) -> str:
+    """The value without the one newline the format puts on each side."""
+    if value.startswith("\n"):
+        value = value[1:]
+    if value.endswith("\n"):
+        value = value[:-1]
+    return value
+
+
+_DECODED = {"integer": int, "number": (int, float), "boolean": bool, "object": dict, "array": list,
+            "null": type(None)}
+
+
+def typed_arguments(arguments: dict[str, Any], parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """Text values given the types the tool's parameters schema declares, where the text reads as
+    that type (JSON, or Python's True/False/None as models also write); others as they are."""
+    properties = (parameters or {}).get("properties") or {}
+    typed = {}
+    for name, value in arguments.items():
+        declared = (properties.get(name) or {}).get("type") if isinstance(properties.get(name), dict) else None
+        kinds = [declared] if isinstance(declared, str) else list(declared or [])
+        typed[name] = _as_declared(value, [k for k in kinds if k in _DECODED]) if isinstance(value, str) else value
+    return typed
+
+
+def _as_declared(text: str, kinds: list[str]) -> Any:
+    if not kinds:
+        return text
+    stripped = text.strip()
+    candidates = [stripped, {"True": "true", "False": "false", "None": "null"}.get(stripped, stripped)]
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        for kind in kinds:
+            wanted = _DECODED[kind]
+            if isinstance(value, bool) and kind in ("integer", "number"):
+                continue  # JSON true is no number
+            if isinstance(value, wanted) and not (kind == "integer" and isinstance(value, float)):
+                return value
+    return text
