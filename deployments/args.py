@@ -8,16 +8,18 @@ Unknown names are refused, so a typo is an error rather than a silently ignored 
 
 from __future__ import annotations
 
+import json
 import math
 import os
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
+from ponytail import DEFAULT_BLOCK_SIZE, ConfigError, is_seconds
 
 from .http_guard import API_KEY_ENV, AccessPolicy
 from .limits import RequestLimits
+from .prompts import check_template_options
 from .protocol import ADMISSIONS
 
 ROUTERS = {
@@ -130,6 +132,9 @@ class AppArgs(BaseModel):
                             "Qwen3-Coder's <function=...> XML, as qwen3_coder does; <|python_tag|>: "
                             "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); pythonic (Llama 3.2/4's "
                             "[f(a=1)]) only when set; none reads no calls")
+    default_chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="names every chat request's template gets unless the request sets them (vLLM's "
+                          "--default-chat-template-kwargs), e.g. {\"enable_thinking\": false}; a JSON object as a flag")
     reasoning_parser: Literal["auto", "deepseek_r1", "qwen3", "none"] = Field(
         "auto", description="how a reasoning model's thought is split from its answer into the response's "
                             "`reasoning` (vLLM's --reasoning-parser): auto finds it from the chat template "
@@ -163,7 +168,7 @@ class AppArgs(BaseModel):
                                                 "gpu_memory_utilization", "max_prompt_tokens",
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
                                                 "generation_config", "chat_template", "tool_call_parser",
-                                                "reasoning_parser")
+                                                "reasoning_parser", "default_chat_template_kwargs")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 
@@ -190,6 +195,23 @@ class AppArgs(BaseModel):
             raise ValueError(f"chat_template={value!r}: the file holds no Jinja template (no '{{{{' or '{{%'); "
                              "allowed: a template's text or the path of a file holding one")
         return text
+
+    @field_validator("default_chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_defaults(cls, value):
+        """A JSON object (a flag gives its text); names apply_chat_template sets itself are refused."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"default_chat_template_kwargs={value!r:.80} is not JSON ({exc}); allowed: a JSON "
+                                 "object such as '{\"enable_thinking\": false}'") from None
+        if value is not None:
+            try:
+                check_template_options(value, True, False)
+            except ConfigError as exc:
+                raise ValueError(str(exc).replace("chat_template_kwargs", "default_chat_template_kwargs", 1)) from None
+        return value
 
     @field_validator("router_admission")
     @classmethod

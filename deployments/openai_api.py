@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API over any backend that streams GenerateDeltas; no Ray in here.
 
 `build_app(backend)` returns a FastAPI app serving /v1/models, /v1/completions,
-/v1/chat/completions, /tokenize, /detokenize, /version, /metrics and /health. The backend (the Serve
+/v1/chat/completions, /v1/responses (a chat request in the Responses API's words: responses_protocol.py
+and responses_api.py), /tokenize, /detokenize, /version, /metrics and /health. The backend (the Serve
 ingress in app.py, a fake in the tests) needs these methods (the last two for /tokenize and
 /detokenize only):
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import math
 import re
@@ -58,15 +60,18 @@ from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 from .http_guard import AccessPolicy, install
 from .limits import LimitExceeded, RequestLimits
+from .prompts import with_template_defaults
 from .reasoning import with_reasoning
+from .responses_api import ResponsesShape
+from .responses_protocol import chat_request
 from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
 
 ABORT_TIMEOUT_S = 5.0  # the most a cleanup waits on backend.abort
 MAX_MESSAGE_CHARS = 1000  # error messages are cut here, so user input is never echoed back whole
-# ConfigError messages start "field=value ..." (or "field.part=value ...": the field is named)
-_PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:\.[A-Za-z0-9_.]*)?\s*=")
+# ConfigError messages start "field=value ..." (or "field.part=value ...", "field[0].part=...": the field is named)
+_PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:[.\[][A-Za-z0-9_.\[\]]*)?\s*=")
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
@@ -264,8 +269,31 @@ def _echoed(req: ChatCompletionRequest) -> str:
     return (last.to_dict()["content"] or "") if req.echo and last.role == "assistant" else ""
 
 
-def _sse(payload: BaseModel | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else payload.model_dump_json()}\n\n"
+DONE = object()  # the end of a stream: `data: [DONE]` in OpenAI's chat and completions streams
+
+
+def _sse(payload: BaseModel | dict | str) -> str:
+    if isinstance(payload, BaseModel):
+        payload = payload.model_dump_json()
+    elif isinstance(payload, dict):  # a Responses API event: named, as OpenAI sends them
+        return f"event: {payload['type']}\ndata: {json.dumps(payload)}\n\n"
+    return f"data: {payload}\n\n"
+
+
+async def _as_sse(items: AsyncIterator, done: bool = True) -> AsyncIterator[str]:
+    """Server-sent events of a stream's objects (chunks, an APIError, DONE); the Responses API
+    sends no `[DONE]` (done=False). Closing this closes the stream below, which aborts its requests."""
+    try:
+        async for item in items:
+            if item is DONE:
+                if done:
+                    yield _sse("[DONE]")
+            elif isinstance(item, APIError):
+                yield _sse(item.body())
+            else:
+                yield _sse(item)
+    finally:
+        await items.aclose()
 
 
 def _piece(delta: GenerateDelta) -> tuple[str, list[TokenLogprob] | None]:
@@ -398,20 +426,32 @@ class _OpenAIServer:
         model = next(m for m in models if m.id == model_id)
         return Response(model.model_dump_json(), media_type="application/json")
 
-    async def generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest]) -> Response:
-        request_id, field_name = None, None
+    async def generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest] | None
+                       ) -> Response:
+        """/v1/completions, /v1/chat/completions, and with kind None /v1/responses (run as a chat
+        request, answered in the Responses API's shape: responses_api.py)."""
+        request_id, field_name, shape = None, None, None
         try:
             try:
-                req = kind.model_validate_json(await request.body())
+                if kind is None:
+                    responses, req = chat_request(await request.body())
+                    kind, shape = ChatCompletionRequest, ResponsesShape(responses, req)
+                else:
+                    req = kind.model_validate_json(await request.body())
             except ValidationError as exc:
                 raise _validation_error(exc) from None
+            except ValueError as exc:  # not JSON at all (json.loads, for /v1/responses)
+                if isinstance(exc, ConfigError):
+                    raise
+                raise APIError(400, f"the body is not valid JSON: {exc}") from None
             field_name = getattr(req, "field_name", None)
             info = await self.model_info()
             if req.model is not None and not info.serves(req.model):
                 raise _model_not_found(req.model, info)
             self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
-            generates = to_generate_requests(req, base_id)
+            generates = [with_template_defaults(g, info.chat_template_kwargs)
+                         for g in to_generate_requests(req, base_id)]
             request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
             plan = plan_structured(req, generates[0], info.tool_call_format) if kind is ChatCompletionRequest \
                 else None  # one choice
@@ -436,8 +476,9 @@ class _OpenAIServer:
                     events = self._events(generations, firsts, fmt, req.include_usage, field_name, per_prompt,
                                           lambda lasts: _record(metrics, lasts, started))
                     streaming = True
-                    return _EventStream(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
-                                                         **headers})
+                    sse = _as_sse(events) if shape is None else _as_sse(shape.events(events), done=False)
+                    return _EventStream(sse, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                                      **headers})
                 results = await _unless_disconnected(request, asyncio.gather(
                     *(self._collect(g, first) for g, first in zip(generations, firsts))))
             finally:
@@ -449,7 +490,8 @@ class _OpenAIServer:
                        for g, collected in enumerate(results) for text, items, last in collected]
             usage = Usage.of(sum(collected[0][2].prompt_tokens for collected in results),  # once per prompt
                              sum(last.completion_tokens for collected in results for *_, last in collected))
-            body = fmt.full(choices, usage).model_dump_json()
+            full = fmt.full(choices, usage)
+            body = full.model_dump_json() if shape is None else json.dumps(shape.whole(full))
             return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
             logger.info("client disconnected; request %s aborted", request_id)
@@ -501,13 +543,14 @@ class _OpenAIServer:
 
     @staticmethod
     async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
-                      include_usage: bool, field_name, per_prompt: int, on_finished) -> AsyncIterator[str]:
-        """Server-sent events; the choices of prompt g (n > 1) are g * per_prompt + their index."""
+                      include_usage: bool, field_name, per_prompt: int, on_finished) -> AsyncIterator:
+        """The stream's chunks, then the APIError if one cut it short, then DONE; the choices of
+        prompt g (n > 1) are g * per_prompt + their index."""
         error = None
         try:
             for index in range(len(generations) * per_prompt):
                 for chunk in fmt.start(index):
-                    yield _sse(chunk)
+                    yield chunk
             lasts: dict[int, GenerateDelta] = {}  # per choice: the delta that finished it
             prompts: dict[int, int] = {}  # per prompt: its tokens (counted once, whatever n)
             async for g, delta in _merged(generations, firsts):
@@ -515,23 +558,23 @@ class _OpenAIServer:
                 text, items = _piece(delta)
                 if text or items:
                     for chunk in _listed(fmt.text(index, text, items)):
-                        yield _sse(chunk)
+                        yield chunk
                 if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
                     for chunk in _listed(fmt.finish(index, delta.finish_reason)):
-                        yield _sse(chunk)
+                        yield chunk
                 if delta.finished:
                     prompts[g] = delta.prompt_tokens
                     on_finished([d for i, d in lasts.items() if i // per_prompt == g] or [delta])
             if include_usage:
-                yield _sse(fmt.usage(Usage.of(sum(prompts.values()), sum(d.completion_tokens for d in lasts.values()))))
+                yield fmt.usage(Usage.of(sum(prompts.values()), sum(d.completion_tokens for d in lasts.values())))
         except Exception as exc:
             error = _api_error(exc, generations[0].request_id, field_name)
         finally:  # also on cancellation or close(): aborts the requests unless they finished
             await _close_all(generations)
         if error is not None:
-            yield _sse(error.body())
-        yield _sse("[DONE]")
+            yield error
+        yield DONE
 
 
 async def _close_all(generations: list[_Generation]) -> None:
@@ -654,5 +697,9 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, ChatCompletionRequest)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await server.generate(request, None)
 
     return app

@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 import ponytail
 
 from .prefix_index import PrefixIndex
-from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template
+from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
 from .segment_tokens import SegmentCache
 from .protocol import STAT_CACHED_BLOCKS, GenerateRequest
 from .router import KVBlockRouter, Placement, Report, blocks_needed, read_report, request_tokens
@@ -78,14 +78,17 @@ class PrefixAffinityRouter(KVBlockRouter):
         self._tokenizer_model: str | None = None
         self._fingerprint: str | None = None  # the tokenizer's (prompts.tokenizer_fingerprint)
         self.segments: SegmentCache | None = None
+        self.template_defaults: dict | None = None  # the app's default_chat_template_kwargs
         self._indexes: dict[ReplicaID, PrefixIndex] = {}
 
     def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
-                         tokenize: bool = True, tokenizer: Any = None, chat_template: str | None = None, **rest):
+                         tokenize: bool = True, tokenizer: Any = None, chat_template: str | None = None,
+                         default_chat_template_kwargs: dict | None = None, **rest):
         """Takes KVBlockRouter's request_router_kwargs and prefix_weight (>= 0; 0 ranks like
         KVBlockRouter with cached blocks not counted twice), model (whose tokenizer to load),
         tokenize (False: hash token-id prompts only), tokenizer (tests: one already loaded),
-        chat_template (the app's, which the replicas serve instead of the tokenizer's)."""
+        chat_template (the app's, which the replicas serve instead of the tokenizer's) and
+        default_chat_template_kwargs (the app's, which the replicas render chats with)."""
         super().initialize_state(**rest)
         if prefix_weight is not None:
             number = isinstance(prefix_weight, (int, float)) and not isinstance(prefix_weight, bool)
@@ -101,7 +104,8 @@ class PrefixAffinityRouter(KVBlockRouter):
             self._load_tokenizer()
         if self.tokenizer is not None:
             use_chat_template(self.tokenizer, chat_template)
-            self._fingerprint = tokenizer_fingerprint(self.tokenizer)
+            self.template_defaults = default_chat_template_kwargs
+            self._fingerprint = tokenizer_fingerprint(self.tokenizer, default_chat_template_kwargs)
             self.segments = SegmentCache(self.tokenizer)  # a session's earlier turns are not tokenized again
 
     # ------------------------------------------------------------------ the prompt
@@ -155,7 +159,8 @@ class PrefixAffinityRouter(KVBlockRouter):
         if self.tokenizer is None:  # none could be loaded here: size and load decide
             return None
         try:
-            return prompt_token_ids(self.tokenizer, request, self.segments)
+            return prompt_token_ids(self.tokenizer, with_template_defaults(request, self.template_defaults),
+                                    self.segments)
         except Exception:  # malformed messages: the replica reports the error; route it on size alone
             return None
 

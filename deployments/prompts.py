@@ -3,6 +3,7 @@ and the prefix-aware router, so the router hashes exactly the blocks the engine 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -59,6 +60,14 @@ def check_template_options(kwargs: dict[str, Any] | None, add_generation_prompt:
                           "last message (usually the assistant's) whose content is not empty")
 
 
+def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | None) -> GenerateRequest:
+    """The request with the operator's default chat_template_kwargs under its own (vLLM's
+    --default-chat-template-kwargs): the request's names win. The same request when there are none."""
+    if not defaults or request.messages is None:
+        return request
+    return dataclasses.replace(request, chat_template_kwargs={**defaults, **(request.chat_template_kwargs or {})})
+
+
 def _text(content: Any) -> bool:
     return isinstance(content, str) and bool(content.strip())
 
@@ -110,7 +119,7 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest, segments: Segment
     return list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str | None:
+def tokenizer_fingerprint(tokenizer: Any, template_defaults: dict[str, Any] | None = None) -> str | None:
     """A digest of everything that decides a prompt's token ids (the fast tokenizer's whole
     definition, the chat template, the special tokens): two processes whose tokenizers share it
     tokenize every prompt alike, so one may take the other's ids. None without a fast tokenizer.
@@ -126,4 +135,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     for part in (type(tokenizer).__name__, getattr(tokenizer, "chat_template", None),
                  getattr(tokenizer, "special_tokens_map", None), getattr(tokenizer, "add_bos_token", None)):
         digest.update(repr(part).encode())
+    if template_defaults:  # they change what a chat renders to
+        digest.update(repr(sorted(template_defaults.items())).encode())
     return digest.hexdigest()

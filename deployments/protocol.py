@@ -80,6 +80,7 @@ class ModelInfo:
     aliases: list[str] = field(default_factory=list)  # other names requests may use (listed after model_id)
     tool_call_format: str | None = None  # how the chat template writes tool calls (tool_parsers.py); None: no format
     reasoning_format: str | None = None  # how answers split into thought and content (reasoning.py); None: no split
+    chat_template_kwargs: dict[str, Any] | None = None  # the operator's defaults, under each request's own
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

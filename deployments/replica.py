@@ -20,7 +20,8 @@ from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import check_template_options, prompt_token_ids, tokenizer_fingerprint, use_chat_template
+from .prompts import (check_template_options, prompt_token_ids, tokenizer_fingerprint, use_chat_template,
+                      with_template_defaults)
 from .reasoning import REASONING_PARSERS, served_reasoning_format
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
@@ -36,6 +37,7 @@ class EngineReplica:
     """Serve deployment body (see app.py): generate, abort, model_info, record_routing_stats."""
 
     sampling_defaults = MappingProxyType({})  # fields a request leaves unset; the model's, with generation_config auto
+    template_defaults: dict | None = None  # default_chat_template_kwargs
 
     def __init__(self, model: str | None = None, device: str = "auto", kv_cache_memory: int | str | None = None,
                  max_num_seqs: int = 64, max_model_len: int | None = None, block_size: int = ponytail.DEFAULT_BLOCK_SIZE,
@@ -46,7 +48,8 @@ class EngineReplica:
                  prefill_delay_factor: float | None = None, generation_config: str = "auto",
                  fuse_projections: bool | None = None, prefill_attention: str | None = None,
                  column_major_weights: bool | None = None, chat_template: str | None = None,
-                 tool_call_parser: str = "auto", reasoning_parser: str = "auto"):
+                 tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+                 default_chat_template_kwargs: dict | None = None):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -55,13 +58,17 @@ class EngineReplica:
         "auto" fills the sampling fields a request leaves unset from the model's generation_config.json
         (generation_defaults.py), "ponytail" leaves SamplingParams' defaults. chat_template: the template's
         text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS.
-        reasoning_parser: reasoning.REASONING_PARSERS."""
+        reasoning_parser: reasoning.REASONING_PARSERS. default_chat_template_kwargs: names every chat's
+        template gets unless the request sets them."""
         if generation_config not in ("auto", "ponytail"):  # before seconds of loading
             raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
                                        "(the model's generation_config.json fills unset sampling fields), ponytail")
         if tool_call_parser not in TOOL_CALL_PARSERS:
             raise ponytail.ConfigError(f"tool_call_parser={tool_call_parser!r} is not supported; allowed: "
                                        f"{', '.join(TOOL_CALL_PARSERS)}")
+        if default_chat_template_kwargs is not None:
+            check_template_options(default_chat_template_kwargs, True, False)
+        self.template_defaults = default_chat_template_kwargs or None
         if reasoning_parser not in REASONING_PARSERS:
             raise ponytail.ConfigError(f"reasoning_parser={reasoning_parser!r} is not supported; allowed: "
                                        f"{', '.join(REASONING_PARSERS)}")
@@ -102,7 +109,8 @@ class EngineReplica:
                               device=str(self.llm.device), device_uuid=self.llm.device_uuid, root=root,
                               aliases=[model_alias] if model_alias and model_alias != served else [],
                               tool_call_format=served_tool_call_format(tool_call_parser, template),
-                              reasoning_format=served_reasoning_format(reasoning_parser, template))
+                              reasoning_format=served_reasoning_format(reasoning_parser, template),
+                              chat_template_kwargs=self.template_defaults)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len
@@ -112,7 +120,8 @@ class EngineReplica:
         # Where a request's time to first token goes on this replica (benchmarks split the client's TTFT).
         self.admit_seconds, self.ttft_seconds, self.queue_seconds, self.num_ttft = 0.0, 0.0, 0.0, 0
         # Requests the prefix router tokenized bring ids made with a tokenizer of this fingerprint.
-        self._fingerprint = tokenizer_fingerprint(self.tokenizer) if self.tokenizer is not None else None
+        self._fingerprint = (tokenizer_fingerprint(self.tokenizer, self.template_defaults)
+                             if self.tokenizer is not None else None)
         # A conversation's earlier turns and shared system prompts are tokenized once, not every turn.
         self.segments = SegmentCache(self.tokenizer) if self.tokenizer is not None else None
         self.prefix = PrefixPublisher(self.llm.publish_prefix_events(LOG_CAPACITY))  # for the prefix router
@@ -133,6 +142,7 @@ class EngineReplica:
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         if request.truncate_prompt_tokens is None:  # a prompt cut to fit may be any length
             self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
+        request = with_template_defaults(request, self.template_defaults)
         if request.messages is not None:  # the ingress checked these; other Ray apps' requests come here directly
             check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
                                    request.continue_final_message, request.messages)
@@ -210,7 +220,8 @@ class EngineReplica:
         """The token ids the engine would compute for a completions prompt or chat messages (in a
         worker thread, as generate's: a huge prompt must not stall other streams); options: the chat
         template's (GenerateRequest's tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
-        request = GenerateRequest(prompt=prompt, messages=messages, **(options or {}))
+        request = with_template_defaults(GenerateRequest(prompt=prompt, messages=messages, **(options or {})),
+                                         self.template_defaults)
         if messages is not None:
             check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
                                    request.continue_final_message, messages)

@@ -157,3 +157,72 @@ def test_a_prefilled_answer_continues_as_the_same_prompt_would_through_completio
             urllib.request.urlopen(request, timeout=60)
         error = json.loads(caught.value.read())["error"]
         assert caught.value.code == 400 and error["param"] == "continue_final_message", error
+
+
+# ------------------------------------------------------------------ the operator's defaults
+def test_the_apps_defaults_are_read_from_json_and_checked():
+    pytest.importorskip("ray.serve")
+    from pydantic import ValidationError
+
+    from deployments.app import AppArgs, engine_arguments, router_arguments
+
+    args = AppArgs(default_chat_template_kwargs='{"enable_thinking": false}')  # as a flag gives it
+    assert args.default_chat_template_kwargs == {"enable_thinking": False}
+    assert engine_arguments(args, gpu=False)["default_chat_template_kwargs"] == {"enable_thinking": False}
+    assert router_arguments(AppArgs(router="prefix", default_chat_template_kwargs={"x": 1}))[
+        "default_chat_template_kwargs"] == {"x": 1}
+    with pytest.raises(ValidationError, match="default_chat_template_kwargs='{enable' is not JSON"):
+        AppArgs(default_chat_template_kwargs="{enable")
+    with pytest.raises(ValidationError, match=r"default_chat_template_kwargs=\['tokenize'\] sets what the server"):
+        AppArgs(default_chat_template_kwargs={"tokenize": True})
+
+
+def test_the_api_puts_the_defaults_under_the_requests_own_and_reads_thinking_from_both():
+    from deployments.reasoning import QWEN3
+    from test_reasoning import ReasoningBackend
+
+    class Defaults(ReasoningBackend):
+        async def model_info(self):
+            info = await super().model_info()
+            info.chat_template_kwargs = {"enable_thinking": False, "style": "terse"}
+            return info
+
+    backend = Defaults(QWEN3)
+    backend.script = ["<think>hm</think>Paris."]
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            off = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
+            assert backend.requests[-1].chat_template_kwargs == {"enable_thinking": False, "style": "terse"}
+            on = client.chat.completions.create(model=MODEL, messages=ASK, extra_body={
+                "chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
+            assert backend.requests[-1].chat_template_kwargs == {"enable_thinking": True, "style": "terse"}
+    # thinking off: nothing is thought (a stray </think> is dropped, as vLLM's qwen3 parser does)
+    assert (getattr(off, "reasoning", None), off.content) == (None, "<think>hmParis.")
+    assert (on.reasoning, on.content) == ("hm", "Paris.")
+
+
+@pytest.mark.network
+def test_a_replica_and_the_prefix_router_render_with_the_defaults(default_model):
+    pytest.importorskip("ray.serve")
+    import asyncio
+
+    from deployments.prompts import tokenizer_fingerprint
+    from deployments.replica import EngineReplica
+    from test_prefix_routing import make_router
+    from test_router import FakeClock
+
+    defaults = {"enable_thinking": False}
+    replica = EngineReplica(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256,
+                            chat_template=THINKING_TEMPLATE, default_chat_template_kwargs=defaults)
+    assert replica.info.chat_template_kwargs == defaults
+
+    def rendered(options=None):
+        return replica.tokenizer.decode(asyncio.run(replica.tokenize(None, ASK, options)))
+
+    assert rendered().endswith("<think></think>")
+    assert rendered({"chat_template_kwargs": {"enable_thinking": True}}).endswith("assistant\n")  # the request wins
+    router = make_router(FakeClock(), tokenizer=ponytail.load_tokenizer(None), chat_template=THINKING_TEMPLATE,
+                         default_chat_template_kwargs=defaults)
+    assert router._fingerprint == replica._fingerprint  # so the replica takes the router's ids
+    assert router._fingerprint != tokenizer_fingerprint(replica.tokenizer)  # which differ from those without
+    assert router._token_ids(GenerateRequest(messages=ASK)) == asyncio.run(replica.tokenize(None, ASK))
