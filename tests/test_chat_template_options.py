@@ -91,13 +91,9 @@ def test_echo_puts_the_continued_message_in_front_whole_and_streamed(scripted):
     ({"reasoning_effort": "extreme"}, "reasoning_effort", "reasoning_effort"),
 ])
 def test_bad_options_are_400s_naming_the_field(scripted, extra, param, words):
-    backend, client = scripted
-    before = len(backend.requests)
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=PREFILLED, extra_body=extra)
-    error = caught.value.body
-    assert error["param"] == param and words in error["message"], error
-    assert len(backend.requests) == before  # refused before any engine work
+    from test_vllm_extras import assert_refused
+
+    assert_refused(scripted, PREFILLED, extra, param, words)
 
 
 # ------------------------------------------------------------------ the real tokenizer and engine

@@ -39,10 +39,15 @@ def scripted():
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
 ])
 def test_extras_the_engine_cannot_honour_are_400s_naming_them(scripted, extra, param, words):
+    assert_refused(scripted, ASK, extra, param, words)
+
+
+def assert_refused(scripted, messages, extra, param, words):
+    """A chat request with `extra` is a 400 naming `param` with `words`, refused before the backend."""
     backend, client = scripted
     before = len(backend.requests)
     with pytest.raises(openai.BadRequestError) as caught:
-        client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
+        client.chat.completions.create(model=MODEL, messages=messages, extra_body=extra)
     error = caught.value.body
     assert error["param"] == param and words in error["message"], error
     assert len(backend.requests) == before
