@@ -94,6 +94,10 @@ def chat_request(body: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
     if req.background:
         raise ConfigError("background=true is not supported; allowed: false (the response comes on this "
                           "connection, streamed or whole)")
+    for name in ("n", "best_of"):  # a response is one answer
+        if raw.get(name) not in (None, 1):
+            raise ConfigError(f"{name}={raw[name]!r:.20} is not supported on /v1/responses; allowed: 1 (a response "
+                              "is one answer; chat completions takes n)")
     if req.top_logprobs:
         raise ConfigError(f"top_logprobs={req.top_logprobs} is not supported on /v1/responses yet; allowed: 0 or "
                           "unset (chat completions gives logprobs)")

@@ -166,6 +166,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(served):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "no json_schema.schema"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "none"),
     ({}, "input", "Field required"),
+    ({"input": "x", "n": 2}, "n", "a response is one answer"),
 ])
 def test_what_this_server_cannot_do_is_a_400_naming_the_field(served, body, param, words):
     backend, client = served
