@@ -154,6 +154,14 @@ class PrefixAffinityRouter(KVBlockRouter):
         return hashes, tokens
 
     def _token_ids(self, request: GenerateRequest) -> list[int] | None:
+        """The prompt's token ids as the replica will run them (None: not known here)."""
+        ids = self._all_token_ids(request)
+        keep = request.truncate_prompt_tokens
+        if ids is not None and isinstance(keep, int) and keep > 0 and len(ids) > keep:
+            ids = ids[-keep:]  # the replica runs only these (-1 depends on its context: hashed whole)
+        return ids
+
+    def _all_token_ids(self, request: GenerateRequest) -> list[int] | None:
         if isinstance(request.prompt, list) and request.messages is None:
             return request.prompt
         if self.tokenizer is None:  # none could be loaded here: size and load decide

@@ -130,6 +130,7 @@ class HermesCallStream:
         self._held = ""  # content not sent yet: a possible start of OPEN
         self._blank = ""  # content not sent yet: trailing whitespace
         self._body: list[str] | None = None  # inside a block: its body so far
+        self._tail = ""  # the body's last len(CLOSE) - 1 characters: where a CLOSE cut in pieces starts
         self._called_any = False  # a call went out: trailing whitespace is not content
 
     def feed(self, text: str) -> list[tuple[str, object]]:
@@ -138,18 +139,23 @@ class HermesCallStream:
         self._held = ""
         while text:
             if self._body is not None:
-                joined = "".join(self._body) + text
-                end = joined.find(CLOSE)
+                # Look for CLOSE only where it may be: in this piece and the few characters before it
+                # (joining the whole body each feed would cost its length every token).
+                tail = self._tail
+                end = (tail + text).find(CLOSE)
                 if end < 0:
-                    self._body = [joined]
+                    self._body.append(text)
+                    self._tail = (tail + text)[-(len(CLOSE) - 1):]
                     return events
+                joined = "".join(self._body) + text
+                end += len(joined) - len(text) - len(tail)
                 self._close(joined[:end], events)
                 text = joined[end + len(CLOSE):]
                 continue
             start = text.find(OPEN)
             if start >= 0:
                 self._content(events, text[:start])
-                self._body = []
+                self._body, self._tail = [], ""
                 text = text[start + len(OPEN):]
                 continue
             keep = partial_tag(text)

@@ -410,3 +410,22 @@ def test_a_long_chat_prompt_is_tokenized_off_the_event_loop_while_others_route(c
         assert SlowTemplate.threads[0] != loop_thread and SlowTemplate.threads[1] == loop_thread
 
     run(router, body)
+
+
+def test_a_truncated_prompt_is_hashed_as_the_replica_runs_it(clock):
+    """truncate_prompt_tokens: the replica runs the prompt's last N tokens, so the router hashes those."""
+    router = make_router(clock, tokenize=False)
+    ids = list(range(1000, 1100))
+
+    def pending(keep: int) -> PendingRequest:
+        request = GenerateRequest(prompt=ids, sampling={"max_tokens": 20}, truncate_prompt_tokens=keep)
+        return PendingRequest(args=[request], kwargs={},
+                              metadata=RequestMetadata(request_id="t", internal_request_id="t"))
+
+    async def body():
+        hashes, tokens = router.prompt_hashes(pending(40), BS)
+        assert hashes == ponytail.prefix_block_hashes(ids[-40:], BS, 39) and tokens == 40 + 20
+        # -1: as many as fit, which the replica decides: hashed whole
+        assert router.prompt_hashes(pending(-1), BS)[0] == ponytail.prefix_block_hashes(ids, BS, 99)
+
+    run(router, body)

@@ -148,6 +148,13 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer(data, cuts):
     assert all(kind == "call" or value for kind, value in events)
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=TEXTS)
+def test_a_stream_fed_one_character_at_a_time_gives_the_whole_answer(text):
+    content, calls, _ = streamed(list(text))
+    assert (content, calls) == parse(HERMES, text)
+
+
 def test_content_before_a_call_streams_before_it_closes():
     stream = HermesCallStream()
     assert stream.feed("Checking the weather. <tool") == [("content", "Checking the weather.")]
