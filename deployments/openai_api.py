@@ -702,4 +702,11 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
     async def responses(request: Request) -> Response:
         return await server.generate(request, None)
 
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
+    async def stored_response(response_id: str, action: str | None = None) -> Response:
+        return APIError(404, f"response {response_id!r:.80} is not stored: this server keeps no responses (store "
+                             "changes nothing); send the whole conversation as input", param="response_id",
+                        code="not_found").response()
+
     return app

@@ -178,6 +178,15 @@ def test_what_this_server_cannot_do_is_a_400_naming_the_field(served, body, para
     assert len(backend.requests) == before
 
 
+def test_stored_responses_are_404s_that_say_none_are_kept(served):
+    _, client = served
+    for call in (lambda: client.responses.retrieve("resp_1"), lambda: client.responses.delete("resp_1"),
+                 lambda: client.responses.cancel("resp_1"), lambda: client.responses.input_items.list("resp_1")):
+        with pytest.raises(openai.NotFoundError) as caught:
+            call()
+        assert "keeps no responses" in caught.value.body["message"]
+
+
 @pytest.mark.network  # the default model
 def test_the_real_engine_answers_a_response_as_it_answers_the_chat():
     from openai_support import served_openai
