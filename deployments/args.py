@@ -137,9 +137,9 @@ class AppArgs(BaseModel):
                           "--default-chat-template-kwargs), e.g. {\"enable_thinking\": false}; a JSON object as a flag")
     reasoning_parser: Literal["auto", "deepseek_r1", "qwen3", "none"] = Field(
         "auto", description="how a reasoning model's thought is split from its answer into the response's "
-                            "`reasoning` (vLLM's --reasoning-parser): auto finds it from the chat template "
-                            "(</think> and enable_thinking: qwen3, </think> alone: deepseek_r1, neither: none); none "
-                            "leaves the thought in the content")
+                            "`reasoning` (vLLM's --reasoning-parser): auto (templates with </think>) starts the "
+                            "answer in thought where the generation prompt opens one, else only if it begins with "
+                            "<think>; qwen3 and deepseek_r1 are vLLM's rules; none leaves the thought in the content")
     stream_interval_s: float = Field(0.05, description="a stream's deltas merged over this long, seconds "
                                      "(first token and end not held)")
     max_deltas_per_s: float | None = Field(1000.0, description="messages all of a replica's streams send per "

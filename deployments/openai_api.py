@@ -462,7 +462,7 @@ class _OpenAIServer:
             if plan is not None:
                 fmt = ToolCallFormat(fmt, plan)
             if kind is ChatCompletionRequest:
-                fmt = with_reasoning(fmt, info.reasoning_format, generates[0], plan, req)
+                fmt = with_reasoning(fmt, info, generates[0], plan, req)
                 fmt.chat_format.echo = _echoed(req)
             headers = {"X-Request-Id": base_id} if self.request_id_header else {}
             generations = [_Generation(self.backend, generate) for generate in generates]

@@ -81,6 +81,9 @@ class ModelInfo:
     tool_call_format: str | None = None  # how the chat template writes tool calls (tool_parsers.py); None: no format
     reasoning_format: str | None = None  # how answers split into thought and content (reasoning.py); None: no split
     chat_template_kwargs: dict[str, Any] | None = None  # the operator's defaults, under each request's own
+    # reasoning_format "think": whether the generation prompt leaves a <think> open, with
+    # enable_thinking unset, true, false (reasoning.thought_opens)
+    thought_opens: tuple[bool, bool, bool] | None = None
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

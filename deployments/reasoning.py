@@ -1,13 +1,17 @@
 """A reasoning model's thinking, split from its answer: vLLM's `--reasoning-parser` and the
 `reasoning` field of its chat responses (`message.reasoning`, `delta.reasoning`).
 
-Reasoning models write their thought between `<think>` and `</think>`, then the answer. Two
-kinds of chat template are told apart (`reasoning_format`):
-- "qwen3" (the template reads `enable_thinking`: Qwen3, QwQ-style hybrids, SmolLM3): the answer
-  starts in thought unless the request's `chat_template_kwargs` set `enable_thinking` false (the
-  template then writes an empty thought into the prompt, and the model answers directly);
-- "deepseek_r1" (`</think>` in the template, no switch: DeepSeek-R1 and its distills, whose
-  templates open `<think>` in the prompt): the answer always starts in thought.
+Reasoning models write their thought between `<think>` and `</think>`, then the answer. Where
+the thought starts:
+- "auto" (the default, THINK: any template that mentions `</think>`): from the prompt. The replica
+  renders the template's generation prompt once at start (`thought_opens`, for enable_thinking
+  unset, true and false): where it leaves a `<think>` open (DeepSeek-R1, Qwen3-Thinking-2507,
+  Qwen3.x with thinking on) the answer starts in thought; elsewhere it is a thought only if it
+  begins with `<think>` (Qwen3's hybrids write the tag themselves), and plain text otherwise, so
+  a template that only strips old thoughts from the history (Qwen3-Instruct-2507) answers in content;
+- "qwen3" (vLLM's rule, set by the operator): the answer starts in thought unless the request's
+  `chat_template_kwargs` set `enable_thinking` false;
+- "deepseek_r1" (vLLM's rule, set by the operator): the answer always starts in thought.
 Within thought a `<think>` is dropped, `</think>` ends it, and so does a `<tool_call>`, which stays
 for the tool-call parser (vLLM's rule for Qwen3, which may call a tool without closing its
 thought). A thought never closed (max_tokens hit) is all reasoning, and the content is null. The
@@ -24,7 +28,7 @@ from typing import Any
 from .openai_protocol import ChatDelta
 from .tool_parsers import partial_tag
 
-DEEPSEEK_R1, QWEN3 = "deepseek_r1", "qwen3"
+DEEPSEEK_R1, QWEN3, THINK = "deepseek_r1", "qwen3", "think"
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START = "<tool_call>"  # ends a thought and stays (Hermes / Qwen3 tool calls follow)
 REASONING, CONTENT = "reasoning", "content"
@@ -44,28 +48,57 @@ def served_reasoning_format(parser: str, chat_template) -> str | None:
 
 
 def reasoning_format(chat_template) -> str | None:
-    """QWEN3 or DEEPSEEK_R1 from a chat template (the tokenizer's: a string, a dict of named
-    templates, or None); None where the template shows no thought."""
+    """THINK where a chat template (the tokenizer's: a string, a dict of named templates, or None)
+    shows a thought (`</think>`), else None."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
-    if not any(THINK_END in t for t in templates):
-        return None
-    return QWEN3 if any("enable_thinking" in t for t in templates) else DEEPSEEK_R1
+    return THINK if any(THINK_END in t for t in templates) else None
 
 
-def starts_in_thought(fmt: str, template_kwargs: dict[str, Any] | None) -> bool:
-    """Whether an answer under `fmt` begins inside its thought, given the request's template kwargs."""
+_PROBE = "ponytail-probe-7f3a"  # a user message whose end marks where the generation prompt begins
+
+
+def thought_opens(tokenizer: Any, defaults: dict[str, Any] | None = None) -> tuple[bool, bool, bool]:
+    """Whether the template's generation prompt leaves a `<think>` open, with enable_thinking
+    unset, true and false (and the operator's other default kwargs); a template that cannot render
+    a one-message chat opens none."""
+    opens = []
+    for value in (None, True, False):
+        kwargs = {k: v for k, v in (defaults or {}).items() if k != "enable_thinking"}
+        if value is not None:
+            kwargs["enable_thinking"] = value
+        elif (defaults or {}).get("enable_thinking") is not None:
+            kwargs["enable_thinking"] = defaults["enable_thinking"]
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": _PROBE}], add_generation_prompt=True,
+                                                 tokenize=False, **kwargs)
+        except Exception:  # the template needs more than one user message: no thought is assumed open
+            opens.append(False)
+            continue
+        prompt = text[text.rfind(_PROBE) + len(_PROBE):] if _PROBE in text else ""
+        opens.append(prompt.rfind(THINK_START) > prompt.rfind(THINK_END))
+    return tuple(opens)
+
+
+def starts_in_thought(fmt: str, template_kwargs: dict[str, Any] | None,
+                      opens: tuple[bool, bool, bool] | None = None) -> bool | None:
+    """Whether an answer under `fmt` begins inside its thought, given the request's template
+    kwargs; None: it is a thought if it begins with `<think>` (THINK where the prompt opens none)."""
+    thinking = (template_kwargs or {}).get("enable_thinking")
     if fmt == QWEN3:
-        return (template_kwargs or {}).get("enable_thinking", True) is not False
-    return True
+        return thinking is not False
+    if fmt == DEEPSEEK_R1:
+        return True
+    index = 0 if thinking is None else (1 if thinking is not False else 2)
+    return True if opens and opens[index] else None
 
 
 class ThoughtStream:
     """One answer fed in pieces, returned as (REASONING | CONTENT, text) events; fed whole or cut
     anywhere, the events' texts join to the same two strings."""
 
-    def __init__(self, thinking: bool):
-        self.thinking = thinking
+    def __init__(self, thinking: bool | None):
+        self.thinking = thinking  # None: undecided until the answer's first text (a thought if it is `<think>`)
         self.held = ""  # text not yet sent: a tail that may begin a tag, or whitespace that may be trimmed
         self.content_started = False  # whitespace at the content's start is dropped until then
         self.reasoning_started = False
@@ -79,6 +112,8 @@ class ThoughtStream:
 
     def finish(self) -> list[tuple[str, str]]:
         events = self.feed("")
+        if self.thinking is None:  # only blanks or a start of `<think>` came: text
+            self.thinking = False
         text, self.held = self.held, ""
         if not self.thinking:  # a partial tag in the content is text
             self._content(text, events)
@@ -86,6 +121,12 @@ class ThoughtStream:
 
     def _step(self, events: list) -> bool:
         """Handle the held text up to its first tag; True when a tag was consumed (look again)."""
+        if self.thinking is None:
+            start = self.held.lstrip()
+            if not start or (THINK_START.startswith(start) and start != THINK_START):
+                return False  # blanks, or a start of the tag: wait for more
+            self.thinking = start.startswith(THINK_START)
+            return True
         tags = (THINK_START, THINK_END, TOOL_CALL_START) if self.thinking else (THINK_END,)
         found = [(self.held.find(tag), tag) for tag in tags]
         at, tag = min(((i, t) for i, t in found if i >= 0), default=(-1, None))
@@ -129,7 +170,7 @@ class ThoughtStream:
             events.append((CONTENT, text))
 
 
-def split_reasoning(text: str, thinking: bool) -> tuple[str | None, str]:
+def split_reasoning(text: str, thinking: bool | None) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
     stream = ThoughtStream(thinking)
     events = stream.feed(text) + stream.finish()
@@ -146,7 +187,7 @@ class ReasoningFormat:
     then reads only the content) and sends the thought as `reasoning`. Same methods, returning
     lists of chunks."""
 
-    def __init__(self, inner, thinking: bool, include: bool = True):
+    def __init__(self, inner, thinking: bool | None, include: bool = True):
         self.inner = inner
         self.chat_format = getattr(inner, "chat_format", inner)  # the plain chat format, which makes chunks
         self.common = inner.common
@@ -197,14 +238,15 @@ class ReasoningFormat:
         return self.inner.full(choices, usage)
 
 
-def with_reasoning(fmt, served_format: str | None, generate, plan, req) -> Any:
-    """`fmt` wrapped in a ReasoningFormat where the served model reasons (`served_format`, ModelInfo's
-    reasoning_format) and the answer is free text: not grammar-bound, not a forced tool call.
-    `generate`: the engine request (its template kwargs say whether thinking is on), `req` the chat request."""
+def with_reasoning(fmt, info, generate, plan, req) -> Any:
+    """`fmt` wrapped in a ReasoningFormat where the served model reasons (ModelInfo's
+    reasoning_format and thought_opens) and the answer is free text: not grammar-bound, not a
+    forced tool call. `generate`: the engine request (its template kwargs say whether thinking is
+    on), `req` the chat request."""
     sampling = generate.sampling
-    if served_format is None or "structured_outputs" in sampling or (plan is not None and plan.format is None):
+    if info.reasoning_format is None or "structured_outputs" in sampling or (plan is not None and plan.format is None):
         return fmt
     if req.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # some tokenizers make <think> special: the split needs it
-    return ReasoningFormat(fmt, starts_in_thought(served_format, generate.chat_template_kwargs),
-                           include=req.include_reasoning)
+    thinking = starts_in_thought(info.reasoning_format, generate.chat_template_kwargs, info.thought_opens)
+    return ReasoningFormat(fmt, thinking, include=req.include_reasoning)

@@ -22,7 +22,7 @@ from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import (check_template_options, prompt_token_ids, tokenizer_fingerprint, use_chat_template,
                       with_template_defaults)
-from .reasoning import REASONING_PARSERS, served_reasoning_format
+from .reasoning import REASONING_PARSERS, THINK, served_reasoning_format, thought_opens
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
@@ -111,6 +111,10 @@ class EngineReplica:
                               tool_call_format=served_tool_call_format(tool_call_parser, template),
                               reasoning_format=served_reasoning_format(reasoning_parser, template),
                               chat_template_kwargs=self.template_defaults)
+        if self.info.reasoning_format == THINK:  # where answers start: in a thought the prompt opened, or not
+            self.info.thought_opens = thought_opens(self.tokenizer, self.template_defaults)
+            logger.info("reasoning models' thought is split off (reasoning_parser auto); the generation prompt "
+                        "opens one with enable_thinking unset/true/false: %s", self.info.thought_opens)
         context = serve.get_replica_context() if _in_serve() else None
         self.metrics = ReplicaMetrics(context.replica_id.unique_id if context else "local")
         context_len = self.info.max_model_len

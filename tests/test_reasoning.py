@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.reasoning import (DEEPSEEK_R1, QWEN3, ThoughtStream, reasoning_format, served_reasoning_format,
-                                   split_reasoning, starts_in_thought)
+from deployments.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ThoughtStream, reasoning_format,
+                                   served_reasoning_format, split_reasoning, starts_in_thought, thought_opens)
 
 QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
@@ -19,11 +19,11 @@ R1_TEMPLATE = ("{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% e
 
 
 def test_the_format_is_found_from_the_template_or_set_by_the_operator():
-    assert reasoning_format(QWEN3_TEMPLATE) == QWEN3
-    assert reasoning_format(R1_TEMPLATE) == DEEPSEEK_R1
-    assert reasoning_format({"default": "{{ messages }}", "tool_use": QWEN3_TEMPLATE}) == QWEN3
+    assert reasoning_format(QWEN3_TEMPLATE) == reasoning_format(R1_TEMPLATE) == THINK
+    assert reasoning_format({"default": "{{ messages }}", "tool_use": QWEN3_TEMPLATE}) == THINK
     assert reasoning_format("{{ messages }}") is None and reasoning_format(None) is None
-    assert served_reasoning_format("auto", R1_TEMPLATE) == DEEPSEEK_R1
+    assert served_reasoning_format("auto", R1_TEMPLATE) == THINK
+    assert served_reasoning_format(DEEPSEEK_R1, "{{ messages }}") == DEEPSEEK_R1
     assert served_reasoning_format("none", QWEN3_TEMPLATE) is None  # the thought stays in the content
     assert served_reasoning_format(QWEN3, "{{ messages }}") == QWEN3  # forced, whatever the template
     with pytest.raises(ValueError, match="reasoning_parser='o1' is not supported; allowed: auto, deepseek_r1, "
@@ -31,10 +31,16 @@ def test_the_format_is_found_from_the_template_or_set_by_the_operator():
         served_reasoning_format("o1", None)
 
 
-def test_thinking_follows_enable_thinking_under_qwen3_only():
+def test_where_the_answer_starts():
+    # vLLM's rules, set by the operator
     assert starts_in_thought(QWEN3, None) and starts_in_thought(QWEN3, {"enable_thinking": True})
     assert not starts_in_thought(QWEN3, {"enable_thinking": False})
     assert starts_in_thought(DEEPSEEK_R1, {"enable_thinking": False})  # R1's template always opens the thought
+    # auto: from what the generation prompt opens (enable_thinking unset, true, false)
+    qwen3x = (True, True, False)
+    assert starts_in_thought(THINK, None, qwen3x) and starts_in_thought(THINK, {"enable_thinking": True}, qwen3x)
+    assert starts_in_thought(THINK, {"enable_thinking": False}, qwen3x) is None  # a thought only if it opens one
+    assert starts_in_thought(THINK, None, (False, False, False)) is None
 
 
 @pytest.mark.parametrize("text, thinking, expected", [
@@ -46,6 +52,12 @@ def test_thinking_follows_enable_thinking_under_qwen3_only():
     ("Check.\n<tool_call>\n{}\n</tool_call>", True, ("Check.", "<tool_call>\n{}\n</tool_call>")),
     ("<think>a <think> b</think>c", True, ("a  b", "c")),
     ("\n\n", True, (None, "")),
+    # undecided (the prompt opened no thought): a thought only if the answer opens one
+    ("\n<think>\nHm.\n</think>\n\nParis.", None, ("Hm.", "Paris.")),
+    ("Paris.", None, (None, "Paris.")),
+    (" Paris </think> it is", None, (None, "Paris  it is")),
+    ("<thi", None, (None, "<thi")),
+    ("<think>cut short", None, ("cut short", "")),
 ])
 def test_whole_answers_split(text, thinking, expected):
     assert split_reasoning(text, thinking) == expected
@@ -56,7 +68,7 @@ _PIECES = st.sampled_from(["<think>", "</think>", "<tool_call>", "<", "</", "thi
 
 
 @settings(max_examples=400, deadline=None)
-@given(pieces=st.lists(_PIECES, max_size=12), thinking=st.booleans(), data=st.data())
+@given(pieces=st.lists(_PIECES, max_size=12), thinking=st.sampled_from([True, False, None]), data=st.data())
 def test_a_stream_cut_anywhere_says_what_the_whole_answer_says(pieces, thinking, data):
     text = "".join(pieces)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
@@ -167,6 +179,53 @@ def test_earlier_reasoning_reaches_the_template_under_both_names(served):
                          {"role": "user", "content": "And Italy?"}]
         client.chat.completions.create(model=MODEL, messages=history)
         assert backend.requests[-1].messages[1]["reasoning_content"] == "Capital: Paris."
+
+
+# Where templates leave the thought: Qwen3's hybrids (closed only when thinking is off), R1 (always
+# open), Qwen3.x (open unless off), Qwen3-Instruct-2507's kind (</think> only to strip old thoughts).
+HYBRID = QWEN3_TEMPLATE
+QWEN3X = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+          "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% else %}"
+          "<think>\n{% endif %}{% endif %}")
+INSTRUCT = ("{% for m in messages %}{{ m.content.split('</think>')[-1] }}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.network  # the default model's tokenizer
+@pytest.mark.parametrize("template, opens", [(HYBRID, (False, False, False)), (R1_TEMPLATE, (True, True, True)),
+                                             (QWEN3X, (True, True, False)), (INSTRUCT, (False, False, False))])
+def test_the_replica_reads_where_the_generation_prompt_leaves_the_thought(default_model, template, opens):
+    import copy
+
+    tokenizer = copy.deepcopy(default_model[1])
+    tokenizer.chat_template = template
+    assert reasoning_format(template) == THINK and thought_opens(tokenizer) == opens
+    if template is QWEN3X:  # the operator's default counts where the request leaves it unset
+        assert thought_opens(tokenizer, {"enable_thinking": False}) == (False, True, False)
+
+
+@pytest.mark.parametrize("opens, extra, script, expected", [
+    ((False, False, False), {}, ["Paris."], (None, "Paris.")),  # Qwen3-Instruct-2507's kind: no thought
+    ((False, False, False), {}, ["<think>\nHm.</think>", "Paris."], ("Hm.", "Paris.")),  # a hybrid thinks
+    ((True, True, False), {}, ["Hm.</think>", "Paris."], ("Hm.", "Paris.")),  # the prompt opened it
+    ((True, True, False), {"chat_template_kwargs": {"enable_thinking": False}}, ["Paris."], (None, "Paris.")),
+])
+def test_auto_splits_as_the_prompt_left_the_thought(opens, extra, script, expected):
+    backend = ReasoningBackend(THINK)
+    backend.script = script
+
+    async def info():
+        found = await ReasoningBackend.model_info(backend)
+        found.thought_opens = opens
+        return found
+
+    backend.model_info = info
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            message = client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra).choices[0].message
+            streamed = _streamed(client, messages=ASK, extra_body=extra)[:2]
+    assert (getattr(message, "reasoning", None), message.content) == expected
+    assert streamed == expected
 
 
 def test_a_model_without_a_reasoning_format_keeps_the_thought_in_the_content():
