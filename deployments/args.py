@@ -15,11 +15,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ponytail import DEFAULT_BLOCK_SIZE, ConfigError, is_seconds
+from ponytail import DEFAULT_BLOCK_SIZE, ConfigError, check_chat_template_options, is_seconds
 
 from .http_guard import API_KEY_ENV, AccessPolicy
 from .limits import RequestLimits
-from .prompts import check_template_options
 from .protocol import ADMISSIONS
 
 ROUTERS = {
@@ -208,7 +207,7 @@ class AppArgs(BaseModel):
                                  "object such as '{\"enable_thinking\": false}'") from None
         if value is not None:
             try:
-                check_template_options(value, True, False)
+                check_chat_template_options(value, True, False)
             except ConfigError as exc:
                 raise ValueError(str(exc).replace("chat_template_kwargs", "default_chat_template_kwargs", 1)) from None
         return value

@@ -23,10 +23,9 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
                       field_validator)
 from pydantic_core import PydanticCustomError
 
-from ponytail import ConfigError
+from ponytail import ConfigError, check_chat_template_options
 
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs
-from .prompts import check_template_options
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -386,7 +385,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         sampling.update(chat_logprob_fields(req))
         messages = [m.to_dict() for m in req.messages]
         kwargs = template_kwargs(req)
-        check_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
+        check_chat_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
         return GenerateRequest(messages=messages, sampling=sampling,
                                request_id=request_id or new_request_id("chatcmpl"), chat_template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
@@ -565,7 +564,7 @@ class TokenizeRequest(_Request):
 
     def template_options(self) -> dict[str, Any]:
         """GenerateRequest's fields for the chat template (checked: ConfigError names the field)."""
-        check_template_options(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
+        check_chat_template_options(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
         return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None}

@@ -7,6 +7,8 @@ import dataclasses
 import hashlib
 from typing import Any
 
+from ponytail import render_chat
+
 from .protocol import GenerateRequest
 from .segment_tokens import SegmentCache
 
@@ -33,33 +35,6 @@ def use_chat_template(tokenizer: Any, template: str | None) -> None:
         pass
 
 
-# apply_chat_template's own parameters, which the server sets: chat_template_kwargs may not replace them
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
-    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs"})
-
-
-def check_template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
-                           continue_final_message: bool, messages: list[dict[str, Any]] | None = None) -> None:
-    """A request's chat-template options, as vLLM takes them; ConfigError names the field at fault."""
-    from ponytail import ConfigError
-
-    if kwargs is not None and not isinstance(kwargs, dict):
-        raise ConfigError(f"chat_template_kwargs={kwargs!r:.80} is invalid; allowed: an object of names the "
-                          "template reads, e.g. {\"enable_thinking\": false}")
-    taken = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs or {}))
-    if taken:
-        raise ConfigError(f"chat_template_kwargs={taken} sets what the server sets itself; allowed: other names "
-                          "the template reads (such as enable_thinking), and the request's own fields for these")
-    if continue_final_message and add_generation_prompt:
-        raise ConfigError("continue_final_message=true needs add_generation_prompt=false; allowed: one of them, "
-                          "not both (the answer either continues the last message or starts a new one)")
-    if continue_final_message and messages and not _text(messages[-1].get("content")):
-        raise ConfigError("continue_final_message=true needs a last message with text to continue; allowed: a "
-                          "last message (usually the assistant's) whose content is not empty")
-
-
 def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | None) -> GenerateRequest:
     """The request with the operator's default chat_template_kwargs under its own (vLLM's
     --default-chat-template-kwargs): the request's names win. The same request when there are none."""
@@ -68,45 +43,18 @@ def with_template_defaults(request: GenerateRequest, defaults: dict[str, Any] | 
     return dataclasses.replace(request, chat_template_kwargs={**defaults, **(request.chat_template_kwargs or {})})
 
 
-def _text(content: Any) -> bool:
-    return isinstance(content, str) and bool(content.strip())
-
-
 def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
                    tools: list[dict[str, Any]] | None = None, segments: SegmentCache | None = None,
                    request: GenerateRequest | None = None) -> list[int]:
     """The chat template applied (with the generation prompt and the tool definitions, unless the
-    request's options say otherwise), as token ids; with `segments` (this tokenizer's), the pieces
-    between special tokens seen lately are not tokenized again. A template that refuses the
-    conversation (raise_exception) is a ConfigError naming `messages`."""
-    import jinja2
-    from ponytail import ConfigError
-
-    extra = {"tools": tools} if tools else {}  # only when given: tokenizers without tool support keep working
-    generation_prompt, continue_final = True, False
-    if request is not None:
-        extra.update(request.chat_template_kwargs or {})
-        generation_prompt, continue_final = request.add_generation_prompt, request.continue_final_message
-        if continue_final:
-            extra["continue_final_message"] = True
-    try:
-        if segments is not None and segments.usable:  # what apply_chat_template(tokenize=True) tokenizes, in pieces
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False,
-                                                 **extra)
-            return segments.encode(text)
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
-                                            return_dict=False, **extra)
-    except jinja2.TemplateError as exc:
-        raise ConfigError(f"messages: the chat template refused them: {exc}; allowed: a conversation the "
-                          "model's template accepts (roles, order, fields)") from None
-    except ValueError as exc:  # transformers: the final message is not in the rendered chat (continue_final_message)
-        if not continue_final:
-            raise
-        raise ConfigError(f"continue_final_message=true: {exc}; allowed: a template that writes the last message "
-                          "as sent, or continue_final_message=false") from None
-    if hasattr(ids, "input_ids") or isinstance(ids, dict):
-        ids = ids["input_ids"]
-    return list(ids)
+    request's options say otherwise: ponytail.chat_template), as token ids; with `segments` (this
+    tokenizer's), the pieces between special tokens seen lately are not tokenized again."""
+    options = {} if request is None else {
+        "chat_template_kwargs": request.chat_template_kwargs, "add_generation_prompt": request.add_generation_prompt,
+        "continue_final_message": request.continue_final_message}
+    if segments is not None and segments.usable:  # what apply_chat_template(tokenize=True) tokenizes, in pieces
+        return segments.encode(render_chat(tokenizer, messages, tokenize=False, tools=tools, **options))
+    return render_chat(tokenizer, messages, tokenize=True, tools=tools, **options)
 
 
 def prompt_token_ids(tokenizer: Any, request: GenerateRequest, segments: SegmentCache | None = None) -> list[int]:

@@ -14,14 +14,13 @@ import ray
 from ray import serve
 
 import ponytail
-from ponytail import SamplingParams
+from ponytail import SamplingParams, check_chat_template_options
 
 from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import (check_template_options, prompt_token_ids, tokenizer_fingerprint, use_chat_template,
-                      with_template_defaults)
+from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
 from .reasoning import REASONING_PARSERS, THINK, served_reasoning_format, thought_opens
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
@@ -67,7 +66,7 @@ class EngineReplica:
             raise ponytail.ConfigError(f"tool_call_parser={tool_call_parser!r} is not supported; allowed: "
                                        f"{', '.join(TOOL_CALL_PARSERS)}")
         if default_chat_template_kwargs is not None:
-            check_template_options(default_chat_template_kwargs, True, False)
+            check_chat_template_options(default_chat_template_kwargs, True, False)
         self.template_defaults = default_chat_template_kwargs or None
         if reasoning_parser not in REASONING_PARSERS:
             raise ponytail.ConfigError(f"reasoning_parser={reasoning_parser!r} is not supported; allowed: "
@@ -148,7 +147,7 @@ class EngineReplica:
             self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
         request = with_template_defaults(request, self.template_defaults)
         if request.messages is not None:  # the ingress checked these; other Ray apps' requests come here directly
-            check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
+            check_chat_template_options(request.chat_template_kwargs, request.add_generation_prompt,
                                    request.continue_final_message, request.messages)
         prompt = self._given_token_ids(request)
         if prompt is None:
@@ -227,7 +226,7 @@ class EngineReplica:
         request = with_template_defaults(GenerateRequest(prompt=prompt, messages=messages, **(options or {})),
                                          self.template_defaults)
         if messages is not None:
-            check_template_options(request.chat_template_kwargs, request.add_generation_prompt,
+            check_chat_template_options(request.chat_template_kwargs, request.add_generation_prompt,
                                    request.continue_final_message, messages)
         return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request, self.segments))
 

@@ -19,6 +19,7 @@ from .llm import LLM  # noqa: E402
 from .process_llm import ProcessAsyncLLM  # noqa: E402
 from .engine.stats import EngineStats  # noqa: E402
 from .models.loader import load_model, load_tokenizer  # noqa: E402
+from .models.chat_template import check_chat_template_options, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
@@ -37,6 +38,8 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "StructuredOutputsParams",
+    "check_chat_template_options",
+    "render_chat",
     "Allocation",
     "CacheConfig",
     "CacheStats",

@@ -11,6 +11,7 @@ import torch
 
 from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
+from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
 from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
@@ -251,6 +252,28 @@ class LLM:
         for request in requests:
             engine.forget(request.request_id)
         return outputs
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
+             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """Answer a conversation (a list of {"role", "content"} messages) or a list of them, as
+        vLLM's LLM.chat: the tokenizer's chat template renders each (with `tools`, the template's
+        `chat_template_kwargs`, the assistant's answer opened or, with continue_final_message, the
+        last message continued), then generate runs the token ids. One output per conversation."""
+        if self.tokenizer is None:
+            raise ConfigError("messages need a chat template, and this model has no tokenizer; allowed: a model "
+                              "with a tokenizer, or generate() with token ids")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            check_chat_template_options(chat_template_kwargs, add_generation_prompt, continue_final_message, conversation)
+            prompts.append(render_chat(self.tokenizer, conversation, tokenize=True, tools=tools,
+                                          add_generation_prompt=add_generation_prompt,
+                                          continue_final_message=continue_final_message,
+                                          chat_template_kwargs=chat_template_kwargs))
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:
         return self.engine.stats()

@@ -10,7 +10,8 @@ import urllib.request
 import pytest
 
 import ponytail
-from deployments.prompts import chat_token_ids, check_template_options
+from deployments.prompts import chat_token_ids
+from ponytail import check_chat_template_options
 from deployments.protocol import GenerateRequest
 
 ASK = [{"role": "user", "content": "Capital of France?"}]
@@ -32,8 +33,8 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if (m.role == 'user') != (loop.ind
 ])
 def test_bad_options_are_refused_naming_the_field(kwargs, generation, cont, messages, words):
     with pytest.raises(ponytail.ConfigError, match=words.replace("[", r"\[").replace("]", r"\]")):
-        check_template_options(kwargs, generation, cont, messages)
-    check_template_options({"enable_thinking": False}, False, True, PREFILLED)  # a good set passes
+        check_chat_template_options(kwargs, generation, cont, messages)
+    check_chat_template_options({"enable_thinking": False}, False, True, PREFILLED)  # a good set passes
 
 
 # ------------------------------------------------------------------ the API, over a scripted backend
