@@ -1,0 +1,134 @@
+"""Third-party OpenAI clients against a running server, called the way their users call them.
+
+- the openai SDK: chat (whole, streamed), structured output (`chat.completions.parse`), the
+  Responses API (`responses.create`, `responses.stream`);
+- LangChain's ChatOpenAI: chat and the Responses API (`use_responses_api=True`), invoke, stream
+  and `with_structured_output`;
+- the OpenAI Agents SDK: `Runner.run`, `Runner.run_streamed`, and a function tool under
+  `tool_choice="required"` (any model can be made to call it; "auto" needs a template with a
+  tool-call format).
+
+Each check prints ok, FAILED (with the error) or skipped (the client is not installed); the exit
+status is 1 when a check of an installed client failed. Requirements (not Ponytail dependencies):
+`pip install openai langchain-openai openai-agents`.
+
+    serve run deployments/app.yaml &
+    python benchmarks/client_check.py --base-url http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import sys
+import time
+import traceback
+
+from pydantic import BaseModel, Field
+
+ASK = "What is the capital of France? Answer in one short sentence."
+
+
+class City(BaseModel):
+    """A city and its country."""
+
+    city: str = Field(description="the city's name")
+    country: str = Field(description="the country it is in")
+
+
+def openai_checks(base: str, model: str):
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    chat = dict(model=model, messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=32)
+    yield "chat", lambda: client.chat.completions.create(**chat).choices[0].message.content
+    yield "chat stream", lambda: "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        stream=True, **chat) if c.choices)
+    yield "chat parse", lambda: client.chat.completions.parse(response_format=City, **chat).choices[0].message.parsed
+    yield "responses create", lambda: client.responses.create(model=model, input=ASK, temperature=0,
+                                                             max_output_tokens=32).output_text
+
+    def stream():
+        with client.responses.stream(model=model, input=ASK, temperature=0, max_output_tokens=32) as events:
+            kinds = [event.type for event in events]
+            return f"{len(kinds)} events, last {kinds[-1]}: {events.get_final_response().output_text!r}"
+    yield "responses stream", stream
+
+
+def langchain_checks(base: str, model: str):
+    from langchain_openai import ChatOpenAI
+
+    for api, responses in (("chat", False), ("responses", True)):
+        llm = ChatOpenAI(base_url=base, api_key="unused", model=model, temperature=0, max_tokens=32,
+                         use_responses_api=responses)
+        yield f"{api} invoke", lambda llm=llm: llm.invoke(ASK).text
+        yield f"{api} stream", lambda llm=llm: "".join(chunk.text for chunk in llm.stream(ASK))
+        yield f"{api} structured", lambda llm=llm: llm.with_structured_output(City, method="json_schema").invoke(
+            "Paris is in which country? Reply with the city and the country.")
+
+
+def agents_checks(base: str, model: str):
+    import openai
+    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    def agent(**kwargs):  # a client per run: an AsyncOpenAI belongs to the event loop that made it
+        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
+        return Agent(name="check", instructions="Answer in one short sentence.",
+                     model=OpenAIResponsesModel(model=model, openai_client=client), **kwargs)
+
+    settings = ModelSettings(temperature=0, max_tokens=32)
+    yield "run", lambda: asyncio.run(Runner.run(agent(model_settings=settings), ASK)).final_output
+
+    async def streamed():
+        result = Runner.run_streamed(agent(model_settings=settings), ASK)
+        count = len([event async for event in result.stream_events()])
+        return f"{count} events: {result.final_output!r}"
+    yield "run streamed", lambda: asyncio.run(streamed())
+    tool = dict(tools=[get_weather], tool_use_behavior="stop_on_first_tool",
+                model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
+    yield "function tool", lambda: asyncio.run(Runner.run(agent(**tool), "Weather in Paris?")).final_output
+
+
+CLIENTS = [("openai", "openai", openai_checks), ("langchain", "langchain_openai", langchain_checks),
+           ("agents", "agents", agents_checks)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (without /v1)")
+    parser.add_argument("--model", help="the served name (default: the first of /v1/models)")
+    args = parser.parse_args(argv)
+    base = args.base_url.rstrip("/") + "/v1"
+    model = args.model
+    if model is None:
+        import openai
+
+        model = openai.OpenAI(base_url=base, api_key="unused").models.list().data[0].id
+    failed = 0
+    for name, module, checks in CLIENTS:
+        if importlib.util.find_spec(module) is None:
+            print(f"{name}: skipped ({module} is not installed)")
+            continue
+        for check, run in checks(base, model):
+            started = time.perf_counter()
+            try:
+                result = run()
+            except Exception as exc:  # a client's failure is the finding: report it and go on
+                failed += 1
+                print(f"{name} {check}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                traceback.print_exc(limit=2, file=sys.stderr)
+                continue
+            print(f"{name} {check}: ok ({time.perf_counter() - started:.2f} s) {result!r:.120}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
