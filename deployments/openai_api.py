@@ -259,10 +259,6 @@ class _EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def _listed(chunks: BaseModel | list[BaseModel]) -> list[BaseModel]:
-    return chunks if isinstance(chunks, list) else [chunks]  # a tool-call format may send 0 or several
-
-
 def _echoed(req: ChatCompletionRequest) -> str:
     """vLLM's chat echo: the last message's text, when it is the assistant's (continue_final_message)."""
     last = req.messages[-1]
@@ -325,11 +321,11 @@ class _CompletionFormat:
     def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
         return CompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
 
-    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
-        return self._chunk([CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, text, items))])
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> list[BaseModel]:
+        return [self._chunk([CompletionChoice(index=index, text=text, logprobs=self._logprobs(index, text, items))])]
 
-    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
-        return self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])
+    def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
+        return [self._chunk([CompletionChoice(index=index, text="", finish_reason=finish_reason)])]
 
     def usage(self, usage: Usage) -> BaseModel:
         return self._chunk([], usage)
@@ -362,11 +358,11 @@ class _ChatFormat(_CompletionFormat):
     def start(self, index: int) -> list[BaseModel]:
         return [self._delta(index, ChatDelta(role="assistant", content=self.echo))]
 
-    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> BaseModel:
-        return self._delta(index, ChatDelta(content=text), items=items)
+    def text(self, index: int, text: str, items: list[TokenLogprob] | None = None) -> list[BaseModel]:
+        return [self._delta(index, ChatDelta(content=text), items=items)]
 
-    def finish(self, index: int, finish_reason: str | None) -> BaseModel:
-        return self._delta(index, ChatDelta(), finish_reason)
+    def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
+        return [self._delta(index, ChatDelta(), finish_reason)]
 
     def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
         return ChatChoice(index=index, message=ChatMessage(content=self.echo + text), finish_reason=finish_reason,
@@ -557,11 +553,11 @@ class _OpenAIServer:
                 index = g * per_prompt + delta.index
                 text, items = _piece(delta)
                 if text or items:
-                    for chunk in _listed(fmt.text(index, text, items)):
+                    for chunk in fmt.text(index, text, items):
                         yield chunk
                 if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
-                    for chunk in _listed(fmt.finish(index, delta.finish_reason)):
+                    for chunk in fmt.finish(index, delta.finish_reason):
                         yield chunk
                 if delta.finished:
                     prompts[g] = delta.prompt_tokens

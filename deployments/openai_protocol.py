@@ -269,7 +269,7 @@ class ChatCompletionRequest(_SamplingRequest):
     tool_choice: ToolChoice | None = None  # None: 'auto' when tools are given (refused: deployments/tools.py)
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
-    # vLLM's chat-template fields (deployments/prompts.py checks them)
+    # vLLM's chat-template fields (ponytail.check_chat_template_options checks them)
     chat_template_kwargs: dict[str, Any] | None = None  # names the template reads, e.g. {"enable_thinking": false}
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the answer continues the last message (prefill), not a new one
@@ -387,7 +387,8 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         kwargs = template_kwargs(req)
         check_chat_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
         return GenerateRequest(messages=messages, sampling=sampling,
-                               request_id=request_id or new_request_id("chatcmpl"), chat_template_kwargs=kwargs, add_generation_prompt=req.add_generation_prompt,
+                               request_id=request_id or new_request_id("chatcmpl"), chat_template_kwargs=kwargs,
+                               add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
@@ -563,8 +564,7 @@ class TokenizeRequest(_Request):
     tools: list[ToolParam] | None = None
 
     def template_options(self) -> dict[str, Any]:
-        """GenerateRequest's fields for the chat template (checked: ConfigError names the field)."""
-        check_chat_template_options(self.chat_template_kwargs, self.add_generation_prompt, self.continue_final_message)
+        """GenerateRequest's fields for the chat template (the replica checks them with the messages)."""
         return {"chat_template_kwargs": self.chat_template_kwargs, "add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None}

@@ -178,14 +178,9 @@ def split_reasoning(text: str, thinking: bool | None) -> tuple[str | None, str]:
     return (reasoning or None), "".join(t for kind, t in events if kind == CONTENT)
 
 
-def _listed(chunks) -> list:
-    return chunks if isinstance(chunks, list) else [chunks]
-
-
 class ReasoningFormat:
     """Chat responses of a reasoning model: wraps the chat format (or the tool-call format, which
-    then reads only the content) and sends the thought as `reasoning`. Same methods, returning
-    lists of chunks."""
+    then reads only the content) and sends the thought as `reasoning`. Same methods."""
 
     def __init__(self, inner, thinking: bool | None, include: bool = True):
         self.inner = inner
@@ -196,14 +191,14 @@ class ReasoningFormat:
         self.streams: dict[int, ThoughtStream] = {}
 
     def start(self, index: int) -> list:
-        return _listed(self.inner.start(index))
+        return self.inner.start(index)
 
     def text(self, index: int, text: str, items=None) -> list:
         chunks = self._chunks(index, self._stream(index).feed(text), items)
         return chunks or ([self.chat_format._delta(index, ChatDelta(), items=items)] if items else [])
 
     def finish(self, index: int, finish_reason: str | None) -> list:
-        return self._chunks(index, self._stream(index).finish()) + _listed(self.inner.finish(index, finish_reason))
+        return self._chunks(index, self._stream(index).finish()) + self.inner.finish(index, finish_reason)
 
     def _stream(self, index: int) -> ThoughtStream:
         if index not in self.streams:
@@ -214,7 +209,7 @@ class ReasoningFormat:
         chunks = []
         for kind, value in events:
             if kind == CONTENT:
-                chunks.extend(_listed(self.inner.text(index, value, items)))
+                chunks.extend(self.inner.text(index, value, items))
             elif self.include:
                 chunks.append(self.chat_format._delta(index, ChatDelta(reasoning=value), items=items))
             elif items:

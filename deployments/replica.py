@@ -145,10 +145,7 @@ class EngineReplica:
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         if request.truncate_prompt_tokens is None:  # a prompt cut to fit may be any length
             self._refuse_certainly_too_long(request, params)  # before seconds of tokenizing
-        request = with_template_defaults(request, self.template_defaults)
-        if request.messages is not None:  # the ingress checked these; other Ray apps' requests come here directly
-            check_chat_template_options(request.chat_template_kwargs, request.add_generation_prompt,
-                                   request.continue_final_message, request.messages)
+        request = self._with_template_options(request)
         prompt = self._given_token_ids(request)
         if prompt is None:
             prompt = await asyncio.to_thread(self._prompt_token_ids, request)
@@ -223,11 +220,7 @@ class EngineReplica:
         """The token ids the engine would compute for a completions prompt or chat messages (in a
         worker thread, as generate's: a huge prompt must not stall other streams); options: the chat
         template's (GenerateRequest's tools, chat_template_kwargs, add_generation_prompt, continue_final_message)."""
-        request = with_template_defaults(GenerateRequest(prompt=prompt, messages=messages, **(options or {})),
-                                         self.template_defaults)
-        if messages is not None:
-            check_chat_template_options(request.chat_template_kwargs, request.add_generation_prompt,
-                                   request.continue_final_message, messages)
+        request = self._with_template_options(GenerateRequest(prompt=prompt, messages=messages, **(options or {})))
         return list(await asyncio.to_thread(prompt_token_ids, self.tokenizer, request, self.segments))
 
     async def detokenize(self, token_ids: list[int]) -> str:
@@ -255,6 +248,15 @@ class EngineReplica:
                 f"prompt has at least {least} tokens ({size} bytes of text, at most {self.max_token_bytes} per "
                 f"token); allowed: at most {self.max_prompt_tokens} (max_model_len={self.info.max_model_len})",
                 least, params.max_tokens, self.max_prompt_tokens)
+
+    def _with_template_options(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with the operator's default template kwargs, its options checked (the
+        ingress checked them too; other Ray apps' requests come here directly)."""
+        request = with_template_defaults(request, self.template_defaults)
+        if request.messages is not None:
+            check_chat_template_options(request.chat_template_kwargs, request.add_generation_prompt,
+                                        request.continue_final_message, request.messages)
+        return request
 
     def _truncated(self, prompt, keep: int | None, max_tokens: int | None):
         """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens); -1: as many as fit in the

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from ponytail import ConfigError
 
@@ -205,5 +205,3 @@ def _response_format(fmt: _TextFormat) -> dict[str, Any]:
     schema = {"name": fmt.name, "schema": fmt.schema_, "strict": fmt.strict, "description": fmt.description}
     return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if v is not None}}
 
-
-__all__ = ["ResponsesChatRequest", "ResponsesRequest", "ValidationError", "chat_request"]

@@ -91,14 +91,14 @@ class ParsedCall:
     text_values: bool = False  # every argument is text as written (XML calls): the tool's schema types them
 
 
-
-
 def _calls(body: str) -> list[ParsedCall] | None:
     """The calls in one `<tool_call>` block's body: an object, or a list of them (some fine-tunes
     write one block for all their calls), or Qwen3-Coder's `<function=...>` XML; None when it is
     not that (bad JSON, a call without a name)."""
     xml = xml_calls(body)
     if xml is not None:
+        if not all(_FUNCTION_NAME.fullmatch(name) for name, _ in xml):
+            return None
         return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in xml]
     try:
         items = json.loads(body)

@@ -23,12 +23,11 @@ from typing import Any
 FUNCTION_TAG = "<function="  # in a chat template: it teaches this format
 _FUNCTION = re.compile(r"<function=([^>\n]*)>(.*?)(?:</function>|\Z)", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.S)
-_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 
 def xml_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
     """(function name, {parameter: text}) for each `<function=...>` in a block's body; None unless
-    the body is only such functions (and whitespace)."""
+    the body is only such functions (and whitespace). The names are as written (the caller checks them)."""
     if not body.lstrip().startswith(FUNCTION_TAG):
         return None
     calls, end = [], 0
@@ -36,8 +35,6 @@ def xml_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
         if body[end:match.start()].strip():
             return None
         name = match.group(1).strip()
-        if not _NAME.fullmatch(name):
-            return None
         inner, arguments, at = match.group(2), {}, 0
         for parameter in _PARAMETER.finditer(inner):
             if inner[at:parameter.start()].strip():

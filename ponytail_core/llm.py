@@ -268,7 +268,8 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            check_chat_template_options(chat_template_kwargs, add_generation_prompt, continue_final_message, conversation)
+            check_chat_template_options(chat_template_kwargs, add_generation_prompt, continue_final_message,
+                                        conversation)
             prompts.append(render_chat(self.tokenizer, conversation, tokenize=True, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,

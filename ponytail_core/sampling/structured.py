@@ -38,8 +38,7 @@ class StructuredOutputsParams:
         if self.json_object not in (None, True, False):
             raise ConfigError(f"structured_outputs.json_object={self.json_object!r} is invalid; "
                               "allowed: True, False or None")
-        given = [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
-        if len(given) != 1:
+        if len(self._given()) != 1:
             raise ConfigError(f"structured_outputs={self.describe()} is invalid; allowed: {_ALLOWED}")
         if self.json is not None:
             self.json = _canonical_schema(self.json)
@@ -68,10 +67,14 @@ class StructuredOutputsParams:
         raise ConfigError(f"structured_outputs={value!r:.80} ({type(value).__name__}) is invalid; "
                           f"allowed: None, a StructuredOutputsParams or a dict with {_ALLOWED}")
 
+    def _given(self) -> list[str]:
+        """The constraint fields that are set (one, once checked)."""
+        return [kind for kind in _KINDS if getattr(self, kind) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """Which constraint this is: one of json, regex, choice, grammar, json_object."""
-        return next(kind for kind in _KINDS if getattr(self, kind) not in (None, False))
+        return self._given()[0]
 
     @property
     def key(self) -> str:
@@ -92,14 +95,12 @@ class StructuredOutputsParams:
         return None
 
     def describe(self) -> str:
-        given = [(kind, getattr(self, kind)) for kind in _KINDS if getattr(self, kind) not in (None, False)]
-        if not given:
-            return "{}"
         parts = []
-        for kind, value in given:
+        for kind in self._given():
+            value = getattr(self, kind)
             text = value if isinstance(value, str) else repr(value)
             parts.append(f"{kind}={text:.80}")
-        return ", ".join(parts)
+        return ", ".join(parts) or "{}"
 
 
 def _canonical_schema(schema: object) -> str:
