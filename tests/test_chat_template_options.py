@@ -128,6 +128,15 @@ def test_a_template_that_refuses_the_conversation_is_a_config_error_naming_messa
 
 
 @pytest.mark.network
+def test_a_template_that_drops_the_message_to_continue_is_a_config_error(tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}<|im_start|>{{ m.role }}<|im_end|>{% endfor %}"  # no content
+    request = GenerateRequest(messages=PREFILLED, add_generation_prompt=False, continue_final_message=True)
+    with pytest.raises(ponytail.ConfigError, match="continue_final_message=true: .*allowed: a template that writes "
+                                                   "the last message as sent, or continue_final_message=false"):
+        chat_token_ids(tokenizer, PREFILLED, request=request)
+
+
+@pytest.mark.network
 def test_a_prefilled_answer_continues_as_the_same_prompt_would_through_completions():
     """continue_final_message + echo on the real engine: the answer is the prefill and its greedy
     continuation, and /tokenize with the same options gives the prompt that completions continues alike."""

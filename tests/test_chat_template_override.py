@@ -70,6 +70,11 @@ def test_a_replica_refuses_an_unknown_parser_before_loading():
     with pytest.raises(ponytail.ConfigError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes, "
                                                    "qwen3_coder, llama3_json, mistral, pythonic, none"):
         EngineReplica(device="cpu", tool_call_parser="xml")
+    with pytest.raises(ponytail.ConfigError, match="reasoning_parser='o1' is not supported; allowed: auto, "
+                                                   "deepseek_r1, qwen3, none"):
+        EngineReplica(device="cpu", reasoning_parser="o1")
+    with pytest.raises(ponytail.ConfigError, match=r"chat_template_kwargs=\['messages'\] sets what the server"):
+        EngineReplica(device="cpu", default_chat_template_kwargs={"messages": []})
 
 
 def _replica(**kwargs) -> EngineReplica:

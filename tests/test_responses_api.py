@@ -166,6 +166,12 @@ def test_an_engine_failure_mid_stream_is_an_error_event(served):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "no json_schema.schema"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "none"),
     ({}, "input", "Field required"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 is not supported on /v1/responses"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
+     "input[0].call_id=None is invalid; allowed: a non-empty string"),
+    ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content=3 is invalid; allowed: a string"),
+    ({"input": "x", "tools": [WEATHER], "tool_choice": {"type": "web_search"}}, "tool_choice",
+     "tool_choice={'type': 'web_search'} is not supported; allowed: auto, none, required"),
     ({"input": "x", "n": 2}, "n", "a response is one answer"),
 ])
 def test_what_this_server_cannot_do_is_a_400_naming_the_field(served, body, param, words):
@@ -176,6 +182,19 @@ def test_what_this_server_cannot_do_is_a_400_naming_the_field(served, body, para
     error = caught.value.body
     assert error["param"] == param and words in error["message"], error
     assert len(backend.requests) == before
+
+
+def test_a_body_that_is_not_json_is_a_400_that_says_so(served):
+    import urllib.error
+    import urllib.request
+
+    _, client = served
+    request = urllib.request.Request(str(client.base_url) + "responses", data=b"{not json",
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=5)
+    assert caught.value.code == 400
+    assert json.loads(caught.value.read())["error"]["message"].startswith("the body is not valid JSON")
 
 
 def test_stored_responses_are_404s_that_say_none_are_kept(served):

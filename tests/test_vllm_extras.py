@@ -65,6 +65,26 @@ def test_their_default_values_change_nothing_and_pass(scripted):
         client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": False})
 
 
+def test_a_replica_refuses_truncation_it_cannot_do_naming_the_field():
+    """Other Ray apps reach the replica without the API's checks."""
+    import ponytail
+    from deployments.protocol import ModelInfo
+    from deployments.replica import EngineReplica
+
+    replica = EngineReplica.__new__(EngineReplica)
+    replica.max_prompt_tokens = 100
+    replica.info = ModelInfo(model_id="m", max_model_len=100, block_size=16, device="cpu", device_uuid=None)
+    assert replica._truncated(list(range(50)), 10, 16) == list(range(40, 50))
+    assert replica._truncated(list(range(150)), -1, 16) == list(range(66, 150))  # room for max_tokens
+    for bad in (0, -2, True, "5"):
+        with pytest.raises(ponytail.ConfigError, match=f"truncate_prompt_tokens={bad!r} is invalid; allowed: a "
+                                                       "positive integer"):
+            replica._truncated([1, 2, 3], bad, 16)
+    with pytest.raises(ponytail.ConfigError, match="truncate_prompt_tokens needs the prompt as token ids, and this "
+                                                   "model has no tokenizer"):
+        replica._truncated("some text", 2, 16)
+
+
 @pytest.mark.network  # the default model
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
     from openai_support import served_openai
