@@ -484,8 +484,8 @@ class _OpenAIServer:
                 _record(metrics, [last for *_, last in collected], started)
             choices = [fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items)
                        for g, collected in enumerate(results) for text, items, last in collected]
-            usage = Usage.of(sum(collected[0][2].prompt_tokens for collected in results),  # once per prompt
-                             sum(last.completion_tokens for collected in results for *_, last in collected))
+            usage = _usage([collected[0][2] for collected in results],
+                           [last for collected in results for *_, last in collected])
             full = fmt.full(choices, usage)
             body = full.model_dump_json() if shape is None else json.dumps(shape.whole(full))
             return Response(body, media_type="application/json", headers=headers)
@@ -548,7 +548,7 @@ class _OpenAIServer:
                 for chunk in fmt.start(index):
                     yield chunk
             lasts: dict[int, GenerateDelta] = {}  # per choice: the delta that finished it
-            prompts: dict[int, int] = {}  # per prompt: its tokens (counted once, whatever n)
+            prompts: dict[int, GenerateDelta] = {}  # per prompt: its last delta (its tokens counted once, whatever n)
             async for g, delta in _merged(generations, firsts):
                 index = g * per_prompt + delta.index
                 text, items = _piece(delta)
@@ -560,10 +560,10 @@ class _OpenAIServer:
                     for chunk in fmt.finish(index, delta.finish_reason):
                         yield chunk
                 if delta.finished:
-                    prompts[g] = delta.prompt_tokens
+                    prompts[g] = delta
                     on_finished([d for i, d in lasts.items() if i // per_prompt == g] or [delta])
             if include_usage:
-                yield fmt.usage(Usage.of(sum(prompts.values()), sum(d.completion_tokens for d in lasts.values())))
+                yield fmt.usage(_usage(list(prompts.values()), list(lasts.values())))
         except Exception as exc:
             error = _api_error(exc, generations[0].request_id, field_name)
         finally:  # also on cancellation or close(): aborts the requests unless they finished
@@ -584,6 +584,15 @@ async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -
     delta = _check(await generation.next())
     metrics.first_token(time.monotonic() - started)
     return delta
+
+
+def _usage(prompts: list[GenerateDelta], lasts: list[GenerateDelta]) -> Usage:
+    """A request's usage: `prompts` one delta per prompt (its tokens counted once, whatever n),
+    `lasts` each choice's last delta. Reasoning tokens where the replica counted them."""
+    counted = [last.reasoning_tokens for last in lasts if last.reasoning_tokens is not None]
+    return Usage.of(sum(d.prompt_tokens for d in prompts), sum(last.completion_tokens for last in lasts),
+                    cached_tokens=sum(d.cached_tokens for d in prompts),
+                    reasoning_tokens=sum(counted) if counted else None)
 
 
 def _record(metrics: ApiMetrics, lasts: list[GenerateDelta], started: float) -> None:

@@ -434,15 +434,32 @@ def _omit_if_none(**kwargs):
     return Field(default=None, exclude_if=lambda value: value is None, **kwargs)
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # found in the prefix cache, not computed again
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # in the thought of a reasoning model's answer
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's details: cached prompt tokens always (vLLM's --enable-prompt-tokens-details), and
+    # reasoning tokens where the served model's answers are split into thought and content.
+    prompt_tokens_details: PromptTokensDetails | None = _omit_if_none()
+    completion_tokens_details: CompletionTokensDetails | None = _omit_if_none()
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(cls, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None,
+           reasoning_tokens: int | None = None) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                   total_tokens=prompt_tokens + completion_tokens)
+                   total_tokens=prompt_tokens + completion_tokens,
+                   prompt_tokens_details=None if cached_tokens is None else PromptTokensDetails(
+                       cached_tokens=cached_tokens),
+                   completion_tokens_details=None if reasoning_tokens is None else CompletionTokensDetails(
+                       reasoning_tokens=reasoning_tokens))
 
 
 class CompletionChoice(BaseModel):

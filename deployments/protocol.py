@@ -30,6 +30,11 @@ class GenerateRequest:
     # tokenized them to hash their blocks: a replica whose tokenizer has that fingerprint
     # (prompts.tokenizer_fingerprint) takes the ids instead of tokenizing the prompt a second time.
     tokenized: tuple[str, list[int]] | None = None
+    # Set by the API where it splits a reasoning model's answer (reasoning.py): the replica counts
+    # the tokens of the thought for usage, the answer starting in it (True), or in it only if it
+    # begins with `<think>` (None), or not (False).
+    count_reasoning: bool = False
+    starts_in_thought: bool | None = None
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""
@@ -67,6 +72,8 @@ class GenerateDelta:
     prompt_text: str | None = None  # echo: the prompt as text, in each choice's first delta only
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: each choice's first delta only
     index: int = 0  # the choice (0 .. n - 1)
+    cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (computed once, not again)
+    reasoning_tokens: int | None = None  # of completion_tokens, those in the thought (count_reasoning only)
 
 
 @dataclass(slots=True)

@@ -32,6 +32,7 @@ DEEPSEEK_R1, QWEN3, THINK = "deepseek_r1", "qwen3", "think"
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_CALL_START = "<tool_call>"  # ends a thought and stays (Hermes / Qwen3 tool calls follow)
 REASONING, CONTENT = "reasoning", "content"
+_TAGS = (THINK_START, THINK_END)
 
 # What an operator may set as reasoning_parser (vLLM's --reasoning-parser): "auto" finds the
 # format from the served template, "none" splits nothing (the thought stays in the content).
@@ -170,6 +171,31 @@ class ThoughtStream:
             events.append((CONTENT, text))
 
 
+class ReasoningTokens:
+    """How many of an answer's tokens fall in its thought (usage's `reasoning_tokens`), fed token
+    by token, each decoded alone (`texts`: token id -> text), on the replica, which has them.
+
+    A token counts where the thought is open both before and after it and it is not a tag, so
+    `<think>` and `</think>` do not (vLLM counts the same where they are single tokens, as in
+    Qwen3 and DeepSeek-R1; a `</think>` spelled in several tokens counts all but its last)."""
+
+    def __init__(self, thinking: bool | None, texts):
+        self.stream = ThoughtStream(thinking)
+        self.texts = texts
+        self.count = 0
+
+    def feed(self, token_ids: list[int]) -> int:
+        stream = self.stream
+        for token_id in token_ids:
+            before = stream.thinking
+            if before is False:  # the thought is over (or never began): nothing after it counts
+                break
+            text = self.texts(token_id)
+            stream.feed(text)
+            self.count += bool(before and stream.thinking and text.strip() not in _TAGS)
+        return self.count
+
+
 def split_reasoning(text: str, thinking: bool | None) -> tuple[str | None, str]:
     """(reasoning or None, content) of a whole answer."""
     stream = ThoughtStream(thinking)
@@ -244,4 +270,5 @@ def with_reasoning(fmt, info, generate, plan, req) -> Any:
     if req.skip_special_tokens is None:
         sampling["skip_special_tokens"] = False  # some tokenizers make <think> special: the split needs it
     thinking = starts_in_thought(info.reasoning_format, generate.chat_template_kwargs, info.thought_opens)
+    generate.count_reasoning, generate.starts_in_thought = True, thinking  # for usage's reasoning_tokens
     return ReasoningFormat(fmt, thinking, include=req.include_reasoning)

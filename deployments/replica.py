@@ -21,7 +21,7 @@ from .logprobs import TokenTexts, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
-from .reasoning import REASONING_PARSERS, THINK, served_reasoning_format, thought_opens
+from .reasoning import REASONING_PARSERS, THINK, ReasoningTokens, served_reasoning_format, thought_opens
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
@@ -163,13 +163,19 @@ class EngineReplica:
             return
         echoed: set[int] = set()  # choices whose first delta went out
         sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out
+        thoughts: dict[int, ReasoningTokens] = {}  # per choice, where the API splits reasoning
         async for delta in self.async_llm.generate(prompt, params, request.request_id):
             output = delta.output
             choice = output.outputs[delta.index]
             out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
                                 finished=delta.finished, finish_reason=choice.finish_reason,
                                 prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
-                                error=output.error, index=delta.index)
+                                error=output.error, index=delta.index,
+                                cached_tokens=output.metrics.num_cached_prompt_tokens)
+            if request.count_reasoning:
+                if delta.index not in thoughts:
+                    thoughts[delta.index] = ReasoningTokens(request.starts_in_thought, self.token_texts)
+                out.reasoning_tokens = thoughts[delta.index].feed(delta.new_token_ids)
             if request.echo and delta.index not in echoed:
                 echoed.add(delta.index)
                 self._add_prompt(out, output, params)
@@ -191,7 +197,9 @@ class EngineReplica:
             out = GenerateDelta(request_id=delta.request_id, text=choice.text, token_ids=list(choice.token_ids),
                                 finished=i == len(output.outputs) - 1, finish_reason=choice.finish_reason,
                                 prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
-                                error=output.error, index=i)
+                                error=output.error, index=i, cached_tokens=output.metrics.num_cached_prompt_tokens)
+            if request.count_reasoning:
+                out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(out.token_ids)
             if request.echo:
                 self._add_prompt(out, output, params)
             if params.logprobs is not None and choice.logprobs is not None:

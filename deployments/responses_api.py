@@ -235,7 +235,9 @@ def _final(item: dict) -> dict:
 def _usage(usage) -> dict[str, Any] | None:
     if usage is None:
         return None
-    # No input_tokens_details / output_tokens_details: the API does not know a request's cached or
-    # reasoning tokens, and clients read those as optional.
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+    # Both details always, as OpenAI's schema has them: reasoning 0 where answers are not split.
+    cached = usage.prompt_tokens_details.cached_tokens if usage.prompt_tokens_details else 0
+    reasoning = usage.completion_tokens_details.reasoning_tokens if usage.completion_tokens_details else 0
+    return {"input_tokens": usage.prompt_tokens, "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": usage.completion_tokens, "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage.total_tokens}

@@ -182,7 +182,7 @@ def test_prefix_reuse_hits_and_keeps_outputs(small_model, caplog):
     assert 0 < stats.prefix_hit_rate < 1
     for prompt, output in zip(prompts, first + rest):
         assert output.token_ids == plain_greedy(small_model[0], prompt, 12)
-    assert rest[0].metrics.num_cached_prompt_tokens == 32
+    assert rest[0].metrics.num_cached_prompt_tokens == rest[0].num_cached_tokens == 32
 
 
 def test_seeded_sampling_is_reproducible_whatever_the_batch(small_model):

@@ -80,7 +80,7 @@ class FakeBackend:
             done = i + 1 == params.max_tokens
             yield GenerateDelta(request_id=request.request_id, text="" if i % 3 == 1 else f" t{i}",
                                 token_ids=[100 + i], finished=done, finish_reason="length" if done else None,
-                                prompt_tokens=prompt_tokens, completion_tokens=i + 1)
+                                prompt_tokens=prompt_tokens, completion_tokens=i + 1, cached_tokens=prompt_tokens - 1)
 
     async def abort(self, request_id: str) -> None:
         self.aborts.append(request_id)
@@ -138,6 +138,8 @@ def test_completion_stream_matches_non_stream(client, backend):
     assert full.object == "text_completion" and full.id.startswith("cmpl-") and full.model == MODEL
     assert full.choices[0].text == expected_text(7) and full.choices[0].finish_reason == "length"
     assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (3, 7, 10)
+    assert full.usage.prompt_tokens_details.cached_tokens == 2  # what the replica found in its prefix cache
+    assert full.usage.completion_tokens_details is None  # no reasoning split: nothing counted, no 0 made up
     assert backend.requests[0].request_id == full.id and backend.requests[0].prompt == "one two three"
     assert backend.requests[0].sampling == {"max_tokens": 7, "temperature": 0.0}
 
@@ -147,6 +149,7 @@ def test_completion_stream_matches_non_stream(client, backend):
     assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 10
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2
     assert not backend.aborts
 
 

@@ -1,5 +1,5 @@
-"""Lists of prompts, token-id prompts, logit_bias, system_fingerprint and x-request-id through the
-official openai client, on the real engine (CPU)."""
+"""Lists of prompts, token-id prompts, logit_bias, system_fingerprint, x-request-id and the prefix
+cache's share of usage through the official openai client, on the real engine (CPU)."""
 
 import pytest
 
@@ -42,6 +42,27 @@ def test_a_list_of_prompts_and_of_token_id_lists_equals_one_request_each(served)
         if chunk.usage is not None:
             assert chunk.usage.completion_tokens == batch.usage.completion_tokens
     assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(served):
+    replica, client = served
+    block = replica.info.block_size
+    prompt = "Ponytail usage check: " + " ".join(f"item{i}" for i in range(40))  # several blocks, seen by no other test
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).usage
+    assert first.prompt_tokens > 2 * block and first.prompt_tokens_details.cached_tokens == 0
+    # whole blocks of the prompt, less its last token, which the engine always computes
+    assert again.prompt_tokens_details.cached_tokens == (again.prompt_tokens - 1) // block * block
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2)
+    streamed = [c.usage for c in client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=2, stream=True, stream_options={"include_usage": True}) if c.usage]
+    assert streamed[-1].prompt_tokens_details.cached_tokens == (streamed[-1].prompt_tokens - 1) // block * block
+    assert streamed[-1].completion_tokens_details is None  # the default model does not reason
+    response = client.responses.create(model=MODEL, input=prompt, max_output_tokens=2)
+    details = response.usage.input_tokens_details, response.usage.output_tokens_details
+    assert details[0].cached_tokens == (response.usage.input_tokens - 1) // block * block > 0
+    assert details[1].reasoning_tokens == 0
 
 
 def test_logit_bias_steers_the_tokens(served):

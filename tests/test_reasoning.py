@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ThoughtStream, reasoning_format,
+from deployments.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ReasoningTokens, ThoughtStream, reasoning_format,
                                    served_reasoning_format, split_reasoning, starts_in_thought, thought_opens)
 
 QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -81,6 +81,24 @@ def test_a_stream_cut_anywhere_says_what_the_whole_answer_says(pieces, thinking,
     assert all(t for _, t in events)  # no empty events
 
 
+@pytest.mark.parametrize("tokens, thinking, expected", [
+    (["<think>", "\n", "I", " recall", "\n", "</think>", "\n\n", "Paris"], True, 4),  # vLLM's count: 4
+    (["<think>", "\n", "I", " recall", "\n", "</think>", "\n\n", "Paris"], None, 4),
+    (["\n", "<think>", "I", "</think>", "Paris"], None, 1),  # blanks before the tag: still undecided
+    (["I", " recall", "</think>", "Paris", " </think>", "a"], True, 2),  # R1: the prompt opened it
+    (["Paris", "."], None, 0), (["Paris", "."], False, 0),
+    (["<think>", "a", "b"], None, 2),  # cut short by max_tokens: all thought
+    (["a", "<tool_call>", "{}"], True, 1),  # a call ends the thought
+    (["a", "</th", "ink>", "b"], True, 2),  # a tag in pieces: all but its last count
+])
+def test_reasoning_tokens_are_the_thoughts_tokens_less_its_tags(tokens, thinking, expected):
+    ids = list(range(len(tokens)))
+    whole = ReasoningTokens(thinking, tokens.__getitem__)
+    assert whole.feed(ids) == expected
+    streamed = ReasoningTokens(thinking, tokens.__getitem__)
+    assert [streamed.feed([i]) for i in ids][-1] == expected  # one delta per token, as a replica streams
+
+
 # ---------------------------------------------------------------------------------------- the API
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
@@ -104,6 +122,15 @@ class ReasoningBackend(ScriptedBackend):
         info = await super().model_info()
         info.reasoning_format = self.reasoning_format
         return info
+
+    async def _deltas(self, request):
+        """The script's deltas, with the thought's tokens counted as the replica counts them."""
+        script = list(self.script)  # piece i is token 100 + i
+        counter = ReasoningTokens(request.starts_in_thought, lambda token: script[token - 100])
+        async for delta in super()._deltas(request):
+            if request.count_reasoning:
+                delta.reasoning_tokens = counter.feed(delta.token_ids)
+            yield delta
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +158,26 @@ def test_the_thought_comes_back_as_reasoning_whole_and_streamed(served):
     assert (reasoning, content) == ("The user asks for France's capital.", "Paris.")
     assert chunks[-1].choices[0].finish_reason == "stop"
     assert backend.requests[-1].sampling["skip_special_tokens"] is False  # tags some tokenizers mark special stay
+
+
+def test_usage_counts_the_thoughts_tokens(served):
+    backend, client = served
+    backend.script = THOUGHT  # the thought: "\nThe user asks", " for France's capital.", "\n</th"
+    whole = client.chat.completions.create(model=MODEL, messages=ASK)
+    assert whole.usage.completion_tokens_details.reasoning_tokens == 3 and whole.usage.completion_tokens == 7
+    assert backend.requests[-1].count_reasoning and backend.requests[-1].starts_in_thought is True
+    streamed = [c.usage for c in client.chat.completions.create(
+        model=MODEL, messages=ASK, stream=True, stream_options={"include_usage": True}) if c.usage]
+    assert streamed[-1].completion_tokens_details.reasoning_tokens == 3
+    hidden = client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"include_reasoning": False})
+    assert hidden.usage.completion_tokens_details.reasoning_tokens == 3  # not shown, still generated
+    response = client.responses.create(model=MODEL, input="Capital of France?")
+    assert response.usage.output_tokens_details.reasoning_tokens == 3
+    backend.script = ["Paris", "."]
+    off = client.chat.completions.create(model=MODEL, messages=ASK,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.usage.completion_tokens_details.reasoning_tokens == 0  # a reasoning model told not to think
+    assert backend.requests[-1].starts_in_thought is False
 
 
 def test_enable_thinking_false_and_reasoning_effort_none_answer_without_a_split(served):
@@ -204,6 +251,24 @@ def test_the_replica_reads_where_the_generation_prompt_leaves_the_thought(defaul
         assert thought_opens(tokenizer, {"enable_thinking": False}) == (False, True, False)
 
 
+@pytest.mark.network  # the default model
+def test_the_replica_counts_the_thoughts_tokens_for_usage():
+    from deployments.local_server import local_server
+
+    # R1's template opens the thought; the 135M model never closes it in 6 tokens: all of them count
+    with local_server(chat_template=R1_TEMPLATE, kv_cache_memory="16MiB", max_model_len=256) as (replica, url):
+        assert replica.info.reasoning_format == THINK and replica.info.thought_opens == (True, True, True)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            chat = client.chat.completions.create(model=replica.info.model_id, messages=ASK, max_tokens=6,
+                                                  temperature=0)
+            streamed = [c.usage for c in client.chat.completions.create(
+                model=replica.info.model_id, messages=ASK, max_tokens=6, temperature=0, stream=True,
+                stream_options={"include_usage": True}) if c.usage]
+    assert chat.choices[0].message.content is None and chat.choices[0].message.reasoning
+    assert chat.usage.completion_tokens == 6 and chat.usage.completion_tokens_details.reasoning_tokens == 6
+    assert streamed[-1].completion_tokens_details.reasoning_tokens == 6
+
+
 @pytest.mark.parametrize("opens, extra, script, expected", [
     ((False, False, False), {}, ["Paris."], (None, "Paris.")),  # Qwen3-Instruct-2507's kind: no thought
     ((False, False, False), {}, ["<think>\nHm.</think>", "Paris."], ("Hm.", "Paris.")),  # a hybrid thinks
@@ -236,3 +301,4 @@ def test_a_model_without_a_reasoning_format_keeps_the_thought_in_the_content():
             message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
     assert message.content == "".join(THOUGHT) and getattr(message, "reasoning", None) is None
     assert "skip_special_tokens" not in backend.requests[-1].sampling
+    assert not backend.requests[-1].count_reasoning  # nothing split, nothing counted

@@ -113,5 +113,6 @@ def test_the_next_turn_of_a_chat_goes_where_its_prefix_is_cached(app, default_mo
         assert taken(reports) == {a: before[a] + 3, b: before[b]}, "the next turn went to the idle replica"
         # The engine's hit on A: the whole turn-2 prompt but its last (partial or capped) block.
         assert reports[a].stats.prefix_cache_hits - hits_before == (reply.usage.prompt_tokens - 1) // BLOCK * BLOCK
+        assert reply.usage.prompt_tokens_details.cached_tokens == (reply.usage.prompt_tokens - 1) // BLOCK * BLOCK
     finally:
         long.close()  # aborts the continuation on A

@@ -229,3 +229,8 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens found in the prefix cache (vLLM's RequestOutput field of that name)."""
+        return self.metrics.num_cached_prompt_tokens
