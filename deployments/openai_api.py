@@ -469,7 +469,7 @@ class _OpenAIServer:
                 firsts = await _unless_disconnected(request, asyncio.gather(
                     *(_first(generation, metrics, started) for generation in generations)))
                 if req.stream:
-                    events = self._events(generations, firsts, fmt, req.include_usage, field_name, per_prompt,
+                    events = self._events(generations, firsts, fmt, req, per_prompt,
                                           lambda lasts: _record(metrics, lasts, started))
                     streaming = True
                     sse = _as_sse(events) if shape is None else _as_sse(shape.events(events), done=False)
@@ -539,33 +539,37 @@ class _OpenAIServer:
 
     @staticmethod
     async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
-                      include_usage: bool, field_name, per_prompt: int, on_finished) -> AsyncIterator:
+                      req, per_prompt: int, on_finished) -> AsyncIterator:
         """The stream's chunks, then the APIError if one cut it short, then DONE; the choices of
-        prompt g (n > 1) are g * per_prompt + their index."""
+        prompt g (n > 1) are g * per_prompt + their index. With continuous usage, every chunk
+        carries its choice's usage so far (the opening ones: the prompt's, no output yet)."""
         error = None
+        continuous = req.continuous_usage
         try:
             for index in range(len(generations) * per_prompt):
+                opening = _usage([firsts[index // per_prompt]], []) if continuous else None
                 for chunk in fmt.start(index):
-                    yield chunk
+                    yield _with_usage(chunk, opening)
             lasts: dict[int, GenerateDelta] = {}  # per choice: the delta that finished it
             prompts: dict[int, GenerateDelta] = {}  # per prompt: its last delta (its tokens counted once, whatever n)
             async for g, delta in _merged(generations, firsts):
                 index = g * per_prompt + delta.index
+                so_far = _usage([delta], [delta]) if continuous else None
                 text, items = _piece(delta)
                 if text or items:
                     for chunk in fmt.text(index, text, items):
-                        yield chunk
+                        yield _with_usage(chunk, so_far)
                 if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
                     for chunk in fmt.finish(index, delta.finish_reason):
-                        yield chunk
+                        yield _with_usage(chunk, so_far)
                 if delta.finished:
                     prompts[g] = delta
                     on_finished([d for i, d in lasts.items() if i // per_prompt == g] or [delta])
-            if include_usage:
+            if req.include_usage:
                 yield fmt.usage(_usage(list(prompts.values()), list(lasts.values())))
         except Exception as exc:
-            error = _api_error(exc, generations[0].request_id, field_name)
+            error = _api_error(exc, generations[0].request_id, getattr(req, "field_name", None))
         finally:  # also on cancellation or close(): aborts the requests unless they finished
             await _close_all(generations)
         if error is not None:
@@ -584,6 +588,12 @@ async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -
     delta = _check(await generation.next())
     metrics.first_token(time.monotonic() - started)
     return delta
+
+
+def _with_usage(chunk, usage: Usage | None):
+    if usage is not None:
+        chunk.usage = usage
+    return chunk
 
 
 def _usage(prompts: list[GenerateDelta], lasts: list[GenerateDelta]) -> Usage:

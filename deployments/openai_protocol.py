@@ -82,6 +82,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False  # one more chunk, before [DONE], with usage and no choices
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries its choice's usage so far (vLLM's)
 
 
 class _SamplingRequest(_Request):
@@ -155,6 +156,10 @@ class _SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingRequest):

@@ -153,6 +153,28 @@ def test_completion_stream_matches_non_stream(client, backend):
     assert not backend.aborts
 
 
+def test_continuous_usage_stats_put_each_choices_usage_so_far_in_every_chunk(client, backend):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = list(client.completions.create(model=MODEL, prompt="one two three", max_tokens=5, stream=True,
+                                            stream_options=options))
+    with_text = [c for c in chunks if c.choices and c.choices[0].text]
+    assert [c.usage.completion_tokens for c in with_text] == [1, 3, 4]  # the fake's token 2 has no text
+    assert all(c.usage.prompt_tokens == 3 and c.usage.prompt_tokens_details.cached_tokens == 2 for c in chunks)
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == 8
+    chat = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=4, stream=True, stream_options=options))
+    assert chat[0].choices[0].delta.role == "assistant" and chat[0].usage.completion_tokens == 0  # the opening
+    assert [c.usage.completion_tokens for c in chat if c.choices and c.choices[0].finish_reason] == [4]
+    assert all(c.usage is not None and c.usage.prompt_tokens == 5 for c in chat)
+    plain = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, stream=True, stream_options={"include_usage": True}))
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]  # the last only
+    alone = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4, stream=True,
+                                                stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)  # as in vLLM: only together with include_usage
+
+
 def test_chat_stream_matches_non_stream(client, backend):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     full = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, seed=3,
