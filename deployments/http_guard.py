@@ -3,8 +3,9 @@
 An ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps streaming responses and the
 disconnect messages the API watches). For every `/v1` request, in this order:
 
-- 401 unless `Authorization: Bearer <api_key>` matches (compared in constant time), when a key is
-  configured; `/health` stays open for load balancers and Serve's checks.
+- 401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (what Anthropic's
+  clients send) matches (compared in constant time), when a key is configured; `/health` stays
+  open for load balancers and Serve's checks.
 - 415 for a POST whose Content-Type is not application/json: a web page can send a cross-origin
   `text/plain` POST without a CORS preflight, a JSON one it cannot.
 - 413 for a body over max_body_bytes: at once from Content-Length, else while it is read; the
@@ -17,13 +18,16 @@ answers preflights for those origins only).
 from __future__ import annotations
 
 import hmac
+import json
 from dataclasses import dataclass, field
 
 from starlette.middleware.cors import CORSMiddleware
 
+from . import anthropic_api
 from .openai_protocol import ErrorInfo, ErrorResponse
 
 API_KEY_ENV = "PONYTAIL_API_KEY"  # as vLLM's VLLM_API_KEY
+ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API (anthropic_api.py): errors in its shape
 
 
 @dataclass(slots=True)
@@ -33,9 +37,12 @@ class AccessPolicy:
     max_body_bytes: int = 4 << 20
 
 
-async def _send_error(send, status: int, message: str, code: str, headers: list | None = None) -> None:
-    kind = "invalid_request_error"
-    body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=None, code=code)).model_dump_json()
+async def _send_error(scope, send, status: int, message: str, code: str, headers: list | None = None) -> None:
+    if scope.get("path", "").startswith(ANTHROPIC_PATH):  # Anthropic's clients read their own error shape
+        body = json.dumps(anthropic_api.error_body(status, message))
+    else:
+        kind = "invalid_request_error"
+        body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=None, code=code)).model_dump_json()
     data = body.encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
@@ -62,18 +69,19 @@ class HTTPGuard:
         if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
             return await self.app(scope, receive, send)
         if self._key is not None and not self._authorized(scope):
-            return await _send_error(send, 401, "a valid API key is required: send it as 'Authorization: "
-                                     "Bearer <key>'", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+            return await _send_error(scope, send, 401, "a valid API key is required: send it as 'Authorization: "
+                                     "Bearer <key>' (or 'x-api-key: <key>')", "invalid_api_key",
+                                     [(b"www-authenticate", b"Bearer")])
         if scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
-            return await _send_error(send, 415, f"Content-Type {content_type or '(none)'!r:.60} is not supported; "
+            return await _send_error(scope, send, 415, f"Content-Type {content_type or '(none)'!r:.60} is not supported; "
                                      "allowed: application/json", "unsupported_media_type")
         limit = self.policy.max_body_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:
-            return await _send_error(send, 413, f"the body has {int(length)} bytes; allowed: at most {limit} "
+            return await _send_error(scope, send, 413, f"the body has {int(length)} bytes; allowed: at most {limit} "
                                      "(max_body_bytes)", "request_too_large")
         body, message = [], None
         size = 0
@@ -83,7 +91,7 @@ class HTTPGuard:
                 break
             size += len(message.get("body", b""))
             if size > limit:
-                return await _send_error(send, 413, f"the body has more than {limit} bytes; allowed: at most "
+                return await _send_error(scope, send, 413, f"the body has more than {limit} bytes; allowed: at most "
                                          f"{limit} (max_body_bytes)", "request_too_large")
             body.append(message.get("body", b""))
             if not message.get("more_body", False):
@@ -102,7 +110,10 @@ class HTTPGuard:
         given = _header(scope, b"authorization") or ""
         scheme, _, token = given.partition(" ")
         # compare_digest on bytes of any length: the time does not tell how much of the key matched
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._key):
+            return True
+        key = _header(scope, b"x-api-key")
+        return key is not None and hmac.compare_digest(key.strip().encode(), self._key)
 
 
 def install(app, policy: AccessPolicy) -> None:
@@ -111,4 +122,4 @@ def install(app, policy: AccessPolicy) -> None:
     if policy.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(policy.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["Authorization", "Content-Type"])
+                           allow_headers=["Authorization", "Content-Type", "x-api-key", "anthropic-version"])

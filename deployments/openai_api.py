@@ -37,6 +37,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import anyio
@@ -62,8 +63,8 @@ from .http_guard import AccessPolicy, install
 from .limits import LimitExceeded, RequestLimits
 from .prompts import with_template_defaults
 from .reasoning import with_reasoning
+from . import anthropic_api, anthropic_protocol, responses_protocol
 from .responses_api import ResponsesShape
-from .responses_protocol import chat_request
 from .tools import ToolCallFormat, plan_structured
 
 logger = logging.getLogger("ponytail.openai")
@@ -75,6 +76,16 @@ _PARAM = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)(?:[.\[][A-Za-z0-9_.\[\]]*)?\s*
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           405: "invalid_request_error", 413: "invalid_request_error", 415: "invalid_request_error",
           503: "service_unavailable_error"}
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """Another API's request run as a chat request: `parse` reads the body into (its request, the
+    chat request), `shape` answers in that API's shape (whole, events), `error_response` its errors."""
+
+    parse: Callable[[bytes], tuple]
+    shape: Callable
+    error_response: Callable[[APIError], Response]
 
 
 class Backend(Protocol):
@@ -422,21 +433,22 @@ class _OpenAIServer:
         model = next(m for m in models if m.id == model_id)
         return Response(model.model_dump_json(), media_type="application/json")
 
-    async def generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest] | None
+    async def generate(self, request: Request, kind: type[CompletionRequest | ChatCompletionRequest] | Dialect
                        ) -> Response:
-        """/v1/completions, /v1/chat/completions, and with kind None /v1/responses (run as a chat
-        request, answered in the Responses API's shape: responses_api.py)."""
+        """/v1/completions, /v1/chat/completions, and with a Dialect /v1/responses and /v1/messages
+        (run as a chat request, answered in that API's shape: responses_api.py, anthropic_api.py)."""
         request_id, field_name, shape = None, None, None
+        dialect = kind if isinstance(kind, Dialect) else None
         try:
             try:
-                if kind is None:
-                    responses, req = chat_request(await request.body())
-                    kind, shape = ChatCompletionRequest, ResponsesShape(responses, req)
+                if dialect is not None:
+                    outer, req = dialect.parse(await request.body())
+                    kind, shape = ChatCompletionRequest, dialect.shape(outer, req)
                 else:
                     req = kind.model_validate_json(await request.body())
             except ValidationError as exc:
                 raise _validation_error(exc) from None
-            except ValueError as exc:  # not JSON at all (json.loads, for /v1/responses)
+            except ValueError as exc:  # not JSON at all (json.loads, for a dialect)
                 if isinstance(exc, ConfigError):
                     raise
                 raise APIError(400, f"the body is not valid JSON: {exc}") from None
@@ -482,8 +494,8 @@ class _OpenAIServer:
                     await _close_all(generations)
             for collected in results:
                 _record(metrics, [last for *_, last in collected], started)
-            choices = [fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items)
-                       for g, collected in enumerate(results) for text, items, last in collected]
+            choices = [_with_stop_reason(fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items),
+                                         last) for g, collected in enumerate(results) for text, items, last in collected]
             usage = _usage([collected[0][2] for collected in results],
                            [last for collected in results for *_, last in collected])
             full = fmt.full(choices, usage)
@@ -493,7 +505,31 @@ class _OpenAIServer:
             logger.info("client disconnected; request %s aborted", request_id)
             return Response(status_code=499)
         except Exception as exc:
-            return _api_error(exc, request_id, field_name).response()
+            error = _api_error(exc, request_id, field_name)
+            return error.response() if dialect is None else dialect.error_response(error)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's /v1/messages/count_tokens: the prompt's tokens as a Messages request would run it."""
+        try:
+            try:
+                req = anthropic_protocol.CountTokensRequest.model_validate(
+                    anthropic_protocol.messages_body(await request.body()))
+                chat = TokenizeRequest.model_validate({**anthropic_protocol.chat_fields(req),
+                                                       "chat_template_kwargs": req.template_kwargs()})
+            except ValidationError as exc:
+                raise _validation_error(exc) from None
+            except ValueError as exc:
+                if isinstance(exc, ConfigError):
+                    raise
+                raise APIError(400, f"the body is not valid JSON: {exc}") from None
+            info = await self.model_info()
+            if not info.serves(req.model):
+                raise _model_not_found(req.model, info)
+            options = chat.template_options()
+            tokens = await self.backend.tokenize(None, [m.to_dict() for m in chat.messages], options)
+            return Response(json.dumps({"input_tokens": len(tokens)}), media_type="application/json")
+        except Exception as exc:
+            return anthropic_api.error_response(_api_error(exc))
 
     async def tokenize(self, request: Request, detokenize: bool) -> Response:
         """vLLM's /tokenize and /detokenize, so clients count and cut tokens as the engine does."""
@@ -562,6 +598,8 @@ class _OpenAIServer:
                 if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
                     for chunk in fmt.finish(index, delta.finish_reason):
+                        for choice in chunk.choices:
+                            _with_stop_reason(choice, delta)
                         yield _with_usage(chunk, so_far)
                 if delta.finished:
                     prompts[g] = delta
@@ -588,6 +626,12 @@ async def _first(generation: _Generation, metrics: ApiMetrics, started: float) -
     delta = _check(await generation.next())
     metrics.first_token(time.monotonic() - started)
     return delta
+
+
+def _with_stop_reason(choice, delta: GenerateDelta):
+    if choice.finish_reason is not None:
+        choice.stop_reason = delta.stop_reason
+    return choice
 
 
 def _with_usage(chunk, usage: Usage | None):
@@ -661,6 +705,10 @@ def _internal_error(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal server error; the server log has the details").response()
 
 
+RESPONSES = Dialect(responses_protocol.chat_request, ResponsesShape, APIError.response)
+MESSAGES = Dialect(anthropic_protocol.chat_request, anthropic_api.MessagesShape, anthropic_api.error_response)
+
+
 def build_app(backend: Backend, limits: RequestLimits | None = None, policy: AccessPolicy | None = None,
               request_id_header: bool = True) -> FastAPI:
     """The OpenAI-compatible API over `backend` (see the module docstring for what it must provide),
@@ -715,7 +763,15 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
 
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await server.generate(request, None)
+        return await server.generate(request, RESPONSES)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await server.generate(request, MESSAGES)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: Request) -> Response:
+        return await server.count_message_tokens(request)
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])

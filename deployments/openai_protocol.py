@@ -472,6 +472,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (not EOS)
 
 
 class Completion(BaseModel):
@@ -500,6 +501,7 @@ class ChatChoice(BaseModel):
     message: ChatMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's
 
 
 class ChatCompletion(BaseModel):
@@ -536,6 +538,7 @@ class ChatChunkChoice(BaseModel):
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # as CompletionChoice's, with the finish_reason
 
 
 class ChatCompletionChunk(BaseModel):

@@ -74,6 +74,7 @@ class GenerateDelta:
     index: int = 0  # the choice (0 .. n - 1)
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (computed once, not again)
     reasoning_tokens: int | None = None  # of completion_tokens, those in the thought (count_reasoning only)
+    stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id (None: EOS)
 
 
 @dataclass(slots=True)

@@ -170,7 +170,7 @@ class EngineReplica:
             out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,
                                 finished=delta.finished, finish_reason=choice.finish_reason,
                                 prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
-                                error=output.error, index=delta.index,
+                                error=output.error, index=delta.index, stop_reason=choice.stop_reason,
                                 cached_tokens=output.metrics.num_cached_prompt_tokens)
             if request.count_reasoning:
                 if delta.index not in thoughts:
@@ -197,7 +197,8 @@ class EngineReplica:
             out = GenerateDelta(request_id=delta.request_id, text=choice.text, token_ids=list(choice.token_ids),
                                 finished=i == len(output.outputs) - 1, finish_reason=choice.finish_reason,
                                 prompt_tokens=len(output.prompt_token_ids), completion_tokens=len(choice.token_ids),
-                                error=output.error, index=i, cached_tokens=output.metrics.num_cached_prompt_tokens)
+                                error=output.error, index=i, stop_reason=choice.stop_reason,
+                                cached_tokens=output.metrics.num_cached_prompt_tokens)
             if request.count_reasoning:
                 out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(out.token_ids)
             if request.echo:

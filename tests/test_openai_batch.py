@@ -65,6 +65,22 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(served):
     assert details[1].reasoning_tokens == 0
 
 
+def test_choices_say_which_stop_string_or_token_ended_them(served):
+    replica, client = served
+    args = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    free = client.completions.create(**args).choices[0]
+    assert free.finish_reason == "length" and free.stop_reason is None
+    words = free.text.split()
+    assert len(words) > 1, free.text
+    by_string = client.completions.create(**args, stop=[words[1]]).choices[0]
+    assert (by_string.finish_reason, by_string.stop_reason) == ("stop", words[1])  # vLLM's stop_reason
+    token = replica.tokenizer(free.text, add_special_tokens=False)["input_ids"][2]
+    by_token = client.completions.create(**args, extra_body={"stop_token_ids": [token]}).choices[0]
+    assert (by_token.finish_reason, by_token.stop_reason) == ("stop", token)
+    streamed = [c.choices[0] for c in client.completions.create(**args, stop=[words[1]], stream=True) if c.choices]
+    assert (streamed[-1].finish_reason, streamed[-1].stop_reason) == ("stop", words[1])
+
+
 def test_logit_bias_steers_the_tokens(served):
     replica, client = served
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
