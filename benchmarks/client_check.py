@@ -6,11 +6,17 @@
   and `with_structured_output`;
 - the OpenAI Agents SDK: `Runner.run`, `Runner.run_streamed`, and a function tool under
   `tool_choice="required"` (any model can be made to call it; "auto" needs a template with a
-  tool-call format).
+  tool-call format);
+- the anthropic SDK (Anthropic's Messages API): `messages.create`, `messages.stream`,
+  `messages.count_tokens`, and a tool under `tool_choice={"type": "tool"}`;
+- LangChain's ChatAnthropic: invoke, stream and `with_structured_output` (a forced tool call);
+- LiteLLM (`hosted_vllm/` models: how LiteLLM users reach a vLLM-compatible server): completion,
+  streamed completion, and a forced tool call.
 
 Each check prints ok, FAILED (with the error) or skipped (the client is not installed); the exit
 status is 1 when a check of an installed client failed. Requirements (not Ponytail dependencies):
-`pip install openai langchain-openai openai-agents`.
+`pip install openai langchain-openai openai-agents anthropic langchain-anthropic litellm` (LiteLLM
+pins an older openai than the Agents SDK: give it a venv of its own).
 
     serve run deployments/app.yaml &
     python benchmarks/client_check.py --base-url http://127.0.0.1:8000
@@ -97,8 +103,65 @@ def agents_checks(base: str, model: str):
     yield "function tool", lambda: asyncio.run(Runner.run(agent(**tool), "Weather in Paris?")).final_output
 
 
+WEATHER = {"name": "get_weather", "description": "The weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+
+
+def anthropic_checks(base: str, model: str):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key="unused", max_retries=0)
+    ask = dict(model=model, max_tokens=32, messages=[{"role": "user", "content": ASK}], extra_body={"temperature": 0})
+    yield "messages create", lambda: client.messages.create(**ask).content[0].text
+
+    def stream():
+        with client.messages.stream(**ask) as events:
+            kinds = [event.type for event in events]
+            final = events.get_final_message()
+            return f"{len(kinds)} events, stop {final.stop_reason}: {final.content[0].text!r}"
+    yield "messages stream", stream
+    yield "count tokens", lambda: client.messages.count_tokens(model=model, messages=ask["messages"]).input_tokens
+
+    def tool():
+        message = client.messages.create(**{**ask, "max_tokens": 48}, tools=[WEATHER],
+                                         tool_choice={"type": "tool", "name": "get_weather"})
+        call = message.content[-1]
+        return f"{message.stop_reason}: {call.name}({call.input})"
+    yield "tool", tool
+
+
+def langchain_anthropic_checks(base: str, model: str):
+    from langchain_anthropic import ChatAnthropic
+
+    llm = ChatAnthropic(base_url=base.removesuffix("/v1"), api_key="unused", model=model, max_tokens=48,
+                        model_kwargs={"extra_body": {"temperature": 0}})
+    yield "invoke", lambda: llm.invoke(ASK).text
+    yield "stream", lambda: "".join(chunk.text for chunk in llm.stream(ASK))
+    yield "structured", lambda: llm.with_structured_output(City).invoke(
+        "Paris is in which country? Reply with the city and the country.")
+
+
+def litellm_checks(base: str, model: str):
+    import litellm
+
+    ask = dict(model=f"hosted_vllm/{model}", api_base=base, api_key="unused", temperature=0, max_tokens=32,
+               messages=[{"role": "user", "content": ASK}])
+    yield "completion", lambda: litellm.completion(**ask).choices[0].message.content
+    yield "stream", lambda: "".join(c.choices[0].delta.content or "" for c in litellm.completion(stream=True, **ask))
+    tools = [{"type": "function", "function": {"name": WEATHER["name"], "description": WEATHER["description"],
+                                               "parameters": WEATHER["input_schema"]}}]
+
+    def tool():
+        call = litellm.completion(**{**ask, "max_tokens": 48}, tools=tools, tool_choice="required").choices[
+            0].message.tool_calls[0].function
+        return f"{call.name}({call.arguments})"
+    yield "tool", tool
+
+
 CLIENTS = [("openai", "openai", openai_checks), ("langchain", "langchain_openai", langchain_checks),
-           ("agents", "agents", agents_checks)]
+           ("agents", "agents", agents_checks), ("anthropic", "anthropic", anthropic_checks),
+           ("langchain-anthropic", "langchain_anthropic", langchain_anthropic_checks),
+           ("litellm", "litellm", litellm_checks)]
 
 
 def main(argv: list[str] | None = None) -> int:
