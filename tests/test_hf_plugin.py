@@ -177,6 +177,24 @@ def test_sliding_window_models_are_refused_beyond_the_window():
     assert cache.stats().used_blocks == 0
 
 
+@pytest.mark.parametrize("name, words", [("gemma2", "softcapping"), ("gpt_oss", "attention sinks")])
+def test_softcapping_and_attention_sinks_are_refused_not_ignored(name, words):
+    """Both change the softmax; answering without them would be garbage that looks like text."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(0)
+    if name == "gemma2":
+        model = Gemma2ForCausalLM(Gemma2Config(**SMALL, head_dim=16, attn_logit_softcapping=50.0,
+                                               sliding_window=64))
+    else:
+        model = GptOssForCausalLM(GptOssConfig(**SMALL, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                               sliding_window=64))
+    cache = ponytail.create_cache(model=model.eval(), max_batch_size=2, max_seq_len=64)
+    with pytest.raises(NotImplementedError, match=words):
+        generate(model, *prompts(2), cache)
+    assert cache.stats().used_blocks == 0
+
+
 @pytest.mark.network
 def test_default_model_greedy_equals_plain_generate_single_and_left_padded(default_model):
     model, tokenizer = default_model

@@ -36,9 +36,13 @@ def ponytail_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
 
 
 def _scale(query: torch.Tensor, scaling: float | None, kwargs: dict) -> float:
-    """The softmax scale transformers asked for (1/sqrt(head_dim) unset); refuses softcapping."""
+    """The softmax scale transformers asked for (1/sqrt(head_dim) unset). Refuses what would change
+    the softmax and the kernels do not do, rather than answer wrongly: softcapping (Gemma 2) and
+    attention sinks (gpt-oss's `s_aux`)."""
     if kwargs.get("softcap") is not None:
-        raise NotImplementedError("Ponytail attention does not support attention softcapping yet")
+        raise NotImplementedError("Ponytail attention does not support attention softcapping (Gemma 2) yet")
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("Ponytail attention does not support attention sinks (s_aux, gpt-oss) yet")
     return scaling if scaling is not None else query.shape[-1] ** -0.5
 
 
