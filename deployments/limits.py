@@ -37,6 +37,10 @@ class RequestLimits:
         for name in ("max_prompt_tokens", "max_output_tokens"):
             _positive(name, getattr(self, name), optional=True)
 
+    def output_bound(self, max_model_len: int) -> int:
+        """The most tokens a request may generate: the context, or max_output_tokens when smaller."""
+        return max_model_len if self.max_output_tokens is None else min(self.max_output_tokens, max_model_len)
+
     def check(self, request: Any, max_model_len: int, max_tokens_field: str = "max_tokens") -> None:
         """Raise LimitExceeded for the first limit a parsed OpenAI request breaks."""
         for name in ("n", "best_of"):
@@ -52,8 +56,9 @@ class RequestLimits:
             raise LimitExceeded(f"stop has a string of {longest} characters; allowed: at most "
                                 f"{self.max_stop_chars} (max_stop_chars)", "stop")
         max_tokens = getattr(request, max_tokens_field, None)
-        bound, by = (max_model_len, "the model's context") if self.max_output_tokens is None else (
-            min(self.max_output_tokens, max_model_len), "max_output_tokens")
+        bound, by = self.output_bound(max_model_len), "the model's context"
+        if self.max_output_tokens is not None:
+            by = "max_output_tokens"
         if max_tokens is not None and max_tokens > bound:
             raise LimitExceeded(f"{max_tokens_field}={max_tokens} is more than {by} allows: at most {bound} "
                                 f"(max_model_len={max_model_len})", max_tokens_field,

@@ -460,6 +460,9 @@ class _OpenAIServer:
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
             generates = [with_template_defaults(g, info.chat_template_kwargs)
                          for g in to_generate_requests(req, base_id)]
+            for generate in generates:
+                if generate.max_tokens_to_context:  # the bound; the replica lowers it to what the prompt leaves
+                    generate.sampling["max_tokens"] = self.limits.output_bound(info.max_model_len)
             request_id = generates[0].request_id.rsplit("-", 1)[0] if len(generates) > 1 else generates[0].request_id
             plan = plan_structured(req, generates[0], info.tool_call_format) if kind is ChatCompletionRequest \
                 else None  # one choice

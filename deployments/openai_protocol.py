@@ -5,12 +5,10 @@ OpenAI does. Type errors surface as pydantic errors whose location names the fie
 turns them into 400s. Sampling *values* are checked later by `ponytail.SamplingParams`, so the
 messages read the same as in the Python API.
 
-Defaults: completions generate at most 16 tokens (OpenAI's default), chat at most
-CHAT_DEFAULT_MAX_TOKENS = 256. OpenAI lets chat run to the end of the context instead, but the
-ingress does not know the prompt's token count (the replica applies the chat template), and the
-engine reserves room for prompt + max_tokens up front: a fixed default keeps a request without
-max_tokens from claiming a whole context's worth of KV blocks. The price: a chat prompt within 256
-tokens of max_model_len must set max_tokens, or the engine refuses it (400).
+Defaults: completions generate at most 16 tokens (OpenAI's default); chat without max_tokens runs
+to the end of the context, as under OpenAI and vLLM (GenerateRequest.max_tokens_to_context: the
+ingress does not know the prompt's token count, the replica applies the chat template and sets
+max_tokens to what the prompt leaves; the operator's max_output_tokens caps it).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from .openai_logprobs import ChatLogprobs, CompletionLogprobs
 from .protocol import GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_DEFAULT_MAX_TOKENS = 256  # see the module docstring
 
 # Request fields passed to ponytail.SamplingParams under the same name: OpenAI's, then vLLM's extras.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
@@ -386,7 +383,8 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         sampling["logit_bias"] = _token_keys(req.logit_bias)
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        sampling["max_tokens"] = CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
+        if max_tokens is not None:
+            sampling["max_tokens"] = max_tokens
         sampling.update(chat_logprob_fields(req))
         messages = [m.to_dict() for m in req.messages]
         kwargs = template_kwargs(req)
@@ -395,7 +393,8 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                request_id=request_id or new_request_id("chatcmpl"), chat_template_kwargs=kwargs,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
-                               truncate_prompt_tokens=req.truncate_prompt_tokens)
+                               truncate_prompt_tokens=req.truncate_prompt_tokens,
+                               max_tokens_to_context=max_tokens is None)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs

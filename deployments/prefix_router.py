@@ -141,7 +141,7 @@ class PrefixAffinityRouter(KVBlockRouter):
             return None
         known = getattr(context, self._IDS, None)
         ids = known[0] if known is not None else self._token_ids(request)
-        tokens = request_tokens(pending_request)
+        tokens = request_tokens(pending_request, reserve=self.counts_output)
         if ids is None or tokens is None:
             return None
         tokens += len(ids) - request.num_prompt_tokens_hint()  # the hint's guess replaced by the count

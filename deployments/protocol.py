@@ -35,6 +35,10 @@ class GenerateRequest:
     # begins with `<think>` (None), or not (False).
     count_reasoning: bool = False
     starts_in_thought: bool | None = None
+    # The request set no max_tokens and runs to the end of the context (OpenAI's and vLLM's chat
+    # default): the replica lowers sampling's max_tokens (the bound: the context, or the operator's
+    # max_output_tokens; the context when absent) to what the prompt leaves of the context.
+    max_tokens_to_context: bool = False
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""

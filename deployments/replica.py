@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import os
@@ -29,6 +30,9 @@ from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT
                        ModelInfo, ReplicaReport)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+# truncate_prompt_tokens -1 on a request without max_tokens (which would take the rest of the
+# context): the prompt's cut leaves this much room for the answer, not a single token.
+TRUNCATED_ANSWER_ROOM = 256
 logger = logging.getLogger(__name__)
 
 
@@ -140,7 +144,10 @@ class EngineReplica:
         """Stream a request's deltas. Cancelling the stream aborts the request and frees its blocks."""
         self.num_requests += 1
         called = time.monotonic()
-        params = SamplingParams(**{**self.sampling_defaults, **request.sampling})  # ConfigError names the bad field
+        sampling = request.sampling
+        if request.max_tokens_to_context and "max_tokens" not in sampling:  # a handle caller's: the context bounds it
+            sampling = {**sampling, "max_tokens": self.info.max_model_len}
+        params = SamplingParams(**{**self.sampling_defaults, **sampling})  # ConfigError names the bad field
         # In a worker thread: a 5 MB prompt takes seconds to tokenize, and this event loop also
         # sends every other stream's deltas (the fast tokenizer releases the GIL meanwhile).
         if request.truncate_prompt_tokens is None:  # a prompt cut to fit may be any length
@@ -150,11 +157,14 @@ class EngineReplica:
         if prompt is None:
             prompt = await asyncio.to_thread(self._prompt_token_ids, request)
         self.admit_seconds += time.monotonic() - called
-        prompt = self._truncated(prompt, request.truncate_prompt_tokens, params.max_tokens)
+        answer_room = min(params.max_tokens, TRUNCATED_ANSWER_ROOM) if request.max_tokens_to_context else params.max_tokens
+        prompt = self._truncated(prompt, request.truncate_prompt_tokens, answer_room)
         if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
             raise ponytail.ContextLengthError(
                 f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
                 f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
+        if request.max_tokens_to_context and isinstance(prompt, list):
+            params = self._to_context(params, len(prompt))
         if params.ranks_samples:  # best_of: which samples are returned is known only at the end
             async for delta in self.async_llm.generate(prompt, params, request.request_id):
                 if delta.finished:
@@ -281,6 +291,16 @@ class EngineReplica:
         if keep == -1:
             keep = max(1, min(self.max_prompt_tokens, self.info.max_model_len - (max_tokens or 0)))
         return prompt[-keep:]
+
+    def _to_context(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """A request without max_tokens: at most what the prompt leaves of the context."""
+        room = self.info.max_model_len - prompt_tokens
+        if room < 1:
+            raise ponytail.ContextLengthError(
+                f"prompt has {prompt_tokens} tokens, which leaves no room for an answer; allowed: at most "
+                f"{self.info.max_model_len - 1} (max_model_len={self.info.max_model_len})", prompt_tokens, 1,
+                self.info.max_model_len)
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
 
     def _given_token_ids(self, request: GenerateRequest) -> list[int] | None:
         """The prompt's token ids when the request brings them: a token-id prompt, or the router's

@@ -53,10 +53,10 @@ def read_report(stats: Any) -> Report | None:
     return report if report.block_size >= 1 and math.isfinite(report.time) else None
 
 
-def request_tokens(pending_request: PendingRequest | None, output: bool = True) -> int | None:
+def request_tokens(pending_request: PendingRequest | None, output: bool = True, reserve: bool = False) -> int | None:
     """Prompt tokens (a cheap upper-bound guess) plus output_tokens(); None when arg 0 is not a
     GenerateRequest or its messages are malformed (the replica reports the error)."""
-    sampled = output_tokens(pending_request, output)
+    sampled = output_tokens(pending_request, output, reserve)
     if sampled is None:
         return None
     try:
@@ -65,13 +65,21 @@ def request_tokens(pending_request: PendingRequest | None, output: bool = True) 
         return None
 
 
-def output_tokens(pending_request: PendingRequest | None, output: bool = True) -> int | None:
+def output_tokens(pending_request: PendingRequest | None, output: bool = True, reserve: bool = False) -> int | None:
     """max_tokens for each sample (n, or best_of when larger: they share the prompt), or with
     output=False each sample's first token only; None when arg 0 is not a GenerateRequest or its
-    sampling is malformed (the replica reports the error). Reads no prompt."""
+    sampling is malformed (the replica reports the error). Reads no prompt.
+
+    A request without max_tokens runs to the end of the context (max_tokens_to_context): how much
+    it will write is not known, so it counts its first token only, unless `reserve` (admission
+    "max_tokens", which never under-counts): then the bound its sampling carries (the context, or
+    the operator's max_output_tokens). Counted as that bound, an affinity or a completion's freed
+    blocks would be a whole context's worth for a chat that writes a paragraph."""
     args = pending_request.args if pending_request is not None else None
     if not args or not isinstance(args[0], GenerateRequest):
         return None
+    if args[0].max_tokens_to_context and not reserve:
+        output = False
     sampling = args[0].sampling
     try:
         max_tokens = sampling.get("max_tokens", DEFAULT_MAX_TOKENS)
@@ -364,7 +372,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
         now = self.clock()
         # All the tokens it may come to hold, and those counted now (fewer under admission "engine"):
         # a pool too small for all of them is no place to hold it for.
-        whole = request_tokens(pending_request)
+        whole = request_tokens(pending_request, reserve=self.counts_output)
         tokens = whole - self.uncounted_tokens(pending_request) if whole is not None else None
         # Claim.arrival; id() breaks created_at ties, and a claim keeps its request (so its id) alive.
         arrival = (pending_request.created_at, id(pending_request)) if pending_request is not None else (math.inf, 0)
@@ -526,7 +534,7 @@ class KVBlockRouter(FIFOMixin, RequestRouter):
     def _reserved_blocks(self, pending_request: PendingRequest, replica_id: ReplicaID, report: Report | None) -> int:
         """Blocks the ledger takes off the replica the request was chosen for."""
         block_size = report.block_size if report is not None else self.FALLBACK_BLOCK_SIZE
-        return blocks_needed(request_tokens(pending_request, self.counts_output), block_size)
+        return blocks_needed(request_tokens(pending_request, self.counts_output, self.counts_output), block_size)
 
     def _grown_blocks(self, pending_request: PendingRequest, report: Report | None) -> int:
         """Blocks the request's output adds beyond those reserved for it (admission "engine"

@@ -21,7 +21,7 @@ except ImportError:  # pragma: no cover - older openai clients use httpx
 
 from deployments.local_server import serve_on_loopback
 from deployments.openai_api import BackendUnavailable, build_app
-from deployments.openai_protocol import (CHAT_DEFAULT_MAX_TOKENS, COMPLETION_DEFAULT_MAX_TOKENS,
+from deployments.openai_protocol import (COMPLETION_DEFAULT_MAX_TOKENS,
                                          ChatCompletionRequest, CompletionRequest, to_generate_request)
 from deployments.protocol import GenerateDelta, ModelInfo
 from ponytail import ConfigError, ContextLengthError, SamplingParams
@@ -65,6 +65,12 @@ class FakeBackend:
             prompt_tokens = sum(len(m["content"].split()) + 4 for m in request.messages)
         else:
             prompt_tokens = len(request.prompt) if isinstance(request.prompt, list) else len(request.prompt.split())
+        if request.max_tokens_to_context:  # as the replica: what the prompt leaves of the context
+            if prompt_tokens >= MAX_MODEL_LEN:
+                raise ContextLengthError(f"prompt has {prompt_tokens} tokens, which leaves no room for an answer; "
+                                         f"allowed: at most {MAX_MODEL_LEN - 1} (max_model_len={MAX_MODEL_LEN})",
+                                         prompt_tokens, 1, MAX_MODEL_LEN)
+            params.max_tokens = min(params.max_tokens, MAX_MODEL_LEN - prompt_tokens)
         need = prompt_tokens + params.max_tokens
         if need > MAX_MODEL_LEN:
             raise ContextLengthError(f"prompt ({prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {need} "
@@ -194,12 +200,18 @@ def test_chat_stream_matches_non_stream(client, backend):
     assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None  # no include_usage
 
 
-def test_chat_default_max_tokens_and_no_model(http, backend):
+def test_chat_without_max_tokens_runs_to_the_end_of_the_context_and_no_model(http, backend):
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "user": "u",
-                                                "some_future_field": {"x": 1}})
+                                                "some_future_field": {"x": 1}, "min_tokens": 100})
     assert r.status_code == 200, r.text
-    assert r.json()["usage"]["completion_tokens"] == CHAT_DEFAULT_MAX_TOKENS
-    assert backend.requests[0].sampling == {"max_tokens": CHAT_DEFAULT_MAX_TOKENS}
+    assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - r.json()["usage"]["prompt_tokens"]
+    request = backend.requests[0]
+    # the bound (what the router sizes it by); the replica lowers it to what the prompt leaves
+    assert request.sampling == {"max_tokens": MAX_MODEL_LEN, "min_tokens": 100} and request.max_tokens_to_context
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert r.json()["usage"]["completion_tokens"] == 3 and not backend.requests[1].max_tokens_to_context
+    r = http.post("/v1/completions", json={"prompt": "hi"})
+    assert r.json()["usage"]["completion_tokens"] == COMPLETION_DEFAULT_MAX_TOKENS  # OpenAI's 16 for completions
 
 
 def test_to_generate_request_defaults():
@@ -210,7 +222,9 @@ def test_to_generate_request_defaults():
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
          "max_tokens": 9, "max_completion_tokens": 4, "top_p": 0.5}), request_id="chatcmpl-x")
     assert chat.messages == [{"role": "user", "content": "a\nb"}] and chat.request_id == "chatcmpl-x"
-    assert chat.sampling == {"max_tokens": 4, "top_p": 0.5}
+    assert chat.sampling == {"max_tokens": 4, "top_p": 0.5} and not chat.max_tokens_to_context
+    unset = to_generate_request(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}]}))
+    assert unset.sampling == {} and unset.max_tokens_to_context  # the API adds the bound, the replica the rest
 
 
 # ------------------------------------------------------------------------------ errors

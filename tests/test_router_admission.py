@@ -136,6 +136,29 @@ def test_request_tokens_without_output_counts_each_samples_first_token():
     asyncio.run(body())
 
 
+def test_a_request_without_max_tokens_counts_its_first_token_unless_the_admission_reserves():
+    """A chat without max_tokens runs to the end of the context: its sampling carries the bound
+    (here a 4,096-token context). Admission "engine" and the affinity count its first token only;
+    "max_tokens" reserves the bound, so it never under-counts."""
+    clock = FakeClock()
+    for admission, blocks in (("engine", 7), ("max_tokens", 263)):  # ceil(101 / 16), ceil(4196 / 16)
+        router = make_router(clock, admission=admission)
+        a = reported(FakeReplica("a"), free=300, startable=20)
+
+        async def body():
+            pr = request(100, 4096)
+            pr.args[0].max_tokens_to_context = True
+            assert (request_tokens(pr), request_tokens(pr, output=False)) == (101, 101)
+            assert request_tokens(pr, reserve=True) == 100 + 4096
+            assert router.uncounted_tokens(pr) == 0
+            router.update_replicas([a])
+            assert await router._choose_replica_for_request(pr) is a
+            assert router._ledgers[a.replica_id].unreported_blocks == blocks
+            assert router._grown_blocks(pr, None) == 0  # nothing counted for an output not known
+
+        run(router, body)
+
+
 def test_admission_is_checked_by_router_and_app_args():
     assert KVBlockRouter.ADMISSION == "engine"
     with pytest.raises(ValueError, match=r"admission='reserve'; allowed: engine, max_tokens"):

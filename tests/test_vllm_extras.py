@@ -102,3 +102,30 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
             client.completions.create(prompt=too_long, **args)
         fitted = client.completions.create(prompt=too_long, extra_body={"truncate_prompt_tokens": -1}, **args)
         assert fitted.usage.prompt_tokens == replica.info.max_model_len - 4  # room for max_tokens
+
+
+@pytest.mark.network  # the default model
+def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
+    from deployments.local_server import local_server
+
+    with local_server(max_model_len=96) as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            model = replica.info.model_id
+            chat = client.chat.completions.create(model=model, messages=ASK, extra_body={"ignore_eos": True})
+            assert chat.choices[0].finish_reason == "length"
+            assert chat.usage.completion_tokens == 96 - chat.usage.prompt_tokens  # OpenAI's and vLLM's default
+            capped = client.chat.completions.create(model=model, messages=ASK, max_tokens=5)
+            assert capped.usage.completion_tokens <= 5
+            ids = replica.tokenizer(" ".join(["word"] * 200))["input_ids"][:96]
+            filled = [{"role": "user", "content": replica.tokenizer.decode(ids)}]
+            with pytest.raises(openai.BadRequestError, match=r"prompt has \d+ tokens; allowed: at most 96"):
+                client.chat.completions.create(model=model, messages=filled)
+            completion = client.completions.create(model=model, prompt="Hello", extra_body={"ignore_eos": True})
+            assert completion.usage.completion_tokens == 16  # completions keep OpenAI's default of 16
+    import ponytail
+
+    with pytest.raises(ponytail.ContextLengthError, match=r"prompt has 96 tokens, which leaves no room for an "
+                                                          r"answer; allowed: at most 95 \(max_model_len=96\)"):
+        replica._to_context(ponytail.SamplingParams(max_tokens=96), 96)
+    assert replica._to_context(ponytail.SamplingParams(max_tokens=96), 90).max_tokens == 6
+    assert replica._to_context(ponytail.SamplingParams(max_tokens=4), 90).max_tokens == 4  # the bound stays
