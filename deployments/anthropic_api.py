@@ -21,6 +21,7 @@ from typing import Any
 from fastapi.responses import Response
 
 from .anthropic_protocol import MessagesChatRequest, MessagesRequest
+from .shaped_stream import shaped_events
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
@@ -90,17 +91,9 @@ class MessagesShape:
         return self.message(self.message_id(completion.id), completion.model, content,
                             self.stop(choice.finish_reason, choice.stop_reason), usage(completion.usage))
 
-    async def events(self, chunks: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
-        """The Messages event stream of a chat chunk stream (objects from openai_api's _events:
-        chunks, then an APIError if one happened, then DONE)."""
-        writer = _EventWriter(self)
-        try:
-            async for item in chunks:
-                for event in writer.feed(item):
-                    yield event
-        finally:  # closed early (the client left): the chat stream's own cleanup aborts the request
-            await chunks.aclose()
-
+    def events(self, chunks: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
+        """The Messages event stream of a chat chunk stream."""
+        return shaped_events(_EventWriter(self).feed, chunks)
 
 class _EventWriter:
     """The open content block of one streamed message and the events that move it on."""

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from .responses_protocol import ResponsesChatRequest, ResponsesRequest
+from .shaped_stream import shaped_events
 
 
 def _item_id(prefix: str) -> str:
@@ -70,17 +71,9 @@ class ResponsesShape:
         return self.response(self.response_id(completion.id), completion.model, output, status,
                              _usage(completion.usage))
 
-    async def events(self, chunks: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
-        """The Responses event stream of a chat chunk stream (objects from openai_api's _events:
-        chunks, then an APIError if one happened, then DONE)."""
-        stream = _EventWriter(self)
-        try:
-            async for item in chunks:
-                for event in stream.feed(item):
-                    yield event
-        finally:  # closed early (the client left): the chat stream's own cleanup aborts the request
-            await chunks.aclose()
-
+    def events(self, chunks: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
+        """The Responses event stream of a chat chunk stream."""
+        return shaped_events(_EventWriter(self).feed, chunks)
 
 class _EventWriter:
     """The open items of one streamed response and the events that move them on."""
