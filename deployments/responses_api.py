@@ -64,7 +64,9 @@ class ResponsesShape:
         if getattr(message, "reasoning", None):
             output.append(_reasoning_item(_item_id("rs"), message.reasoning))
         if message.content:
-            output.append(_message_item(_item_id("msg"), message.content, "completed"))
+            item = _message_item(_item_id("msg"), message.content, "completed")
+            item["content"][0]["logprobs"] = _logprobs(choice)
+            output.append(item)
         for call in message.tool_calls or []:
             output.append(_call_item(_item_id("fc"), call.id, call.function.name, call.function.arguments))
         status = "incomplete" if choice.finish_reason == "length" else "completed"
@@ -89,6 +91,7 @@ class _EventWriter:
         self.finish_reason = None
         self.usage = None
         self.failed: dict | None = None  # the error that ended the stream
+        self.logprobs: list[dict] = []  # token logprobs not sent yet: they go with the next output_text delta
 
     def _event(self, kind: str, **fields) -> dict[str, Any]:
         event = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -119,6 +122,7 @@ class _EventWriter:
             self.usage = _usage(item.usage)
         for choice in item.choices:
             delta = choice.delta
+            self.logprobs += _logprobs(choice)
             if delta.reasoning:
                 events += self._text("reasoning", delta.reasoning)
             if delta.content:
@@ -142,9 +146,11 @@ class _EventWriter:
             events.append(self._event("response.content_part.added", **self._where(), part=_empty_part(item)))
         part = self.open["content"][0]
         part["text"] += text
-        kind_name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        extra = {} if kind == "reasoning" else {"logprobs": []}
-        return events + [self._event(kind_name, **self._where(), delta=text, **extra)]
+        if kind == "reasoning":
+            return events + [self._event("response.reasoning_text.delta", **self._where(), delta=text)]
+        logprobs, self.logprobs = self.logprobs, []  # the thought's too, as the whole answer's message has them
+        part["logprobs"] += logprobs
+        return events + [self._event("response.output_text.delta", **self._where(), delta=text, logprobs=logprobs)]
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["id"], "output_index": self.output.index(self.open), "content_index": 0}
@@ -178,7 +184,7 @@ class _EventWriter:
         if item["type"] == "reasoning":
             done = [self._event("response.reasoning_text.done", **where, text=part["text"])]
         else:
-            done = [self._event("response.output_text.done", **where, text=part["text"], logprobs=[])]
+            done = [self._event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])]
         item["status"] = "completed"
         done.append(self._event("response.content_part.done", **where, part=dict(part)))
         return done + [self._event("response.output_item.done", output_index=index, item=_final(item))]
@@ -218,11 +224,20 @@ def _empty(item: dict) -> dict:
 
 
 def _empty_part(item: dict) -> dict:
-    return {**item["content"][0], "text": ""}
+    part = {**item["content"][0], "text": ""}
+    if "logprobs" in part:
+        part["logprobs"] = []  # not the part's own list, which grows
+    return part
 
 
 def _final(item: dict) -> dict:
     return json.loads(json.dumps(item))  # a copy later deltas cannot change
+
+
+def _logprobs(choice) -> list[dict]:
+    """A chat choice's token logprobs (include "message.output_text.logprobs") as output_text's."""
+    logprobs = getattr(choice, "logprobs", None)
+    return [token.model_dump() for token in logprobs.content or []] if logprobs is not None else []
 
 
 def _usage(usage) -> dict[str, Any] | None:

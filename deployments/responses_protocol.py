@@ -3,7 +3,8 @@
 The Responses API (what the openai SDK's `client.responses.create`, the Agents SDK and
 LangChain's `use_responses_api` send; vLLM serves it too) says the same as a chat request in
 other words: `input` items instead of messages, `instructions` for the system turn, flat function
-tools, `text.format` for response_format, `max_output_tokens`. This server keeps no responses:
+tools, `text.format` for response_format, `max_output_tokens`, `include` of the output text's
+logprobs for chat's logprobs. This server keeps no responses:
 `previous_response_id`, `conversation` and `background` are refused (send the whole
 conversation as `input`), and `store` changes nothing.
 """
@@ -11,7 +12,7 @@ conversation as `input`), and `store` changes nothing.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,6 +27,7 @@ _RESPONSES_FIELDS = {"input", "instructions", "tools", "tool_choice", "text", "r
                      "truncation", "prompt", "stream_options", "top_logprobs", "max_tool_calls", "service_tier",
                      "prompt_cache_key", "safety_identifier", "user"}
 _TEXT_PARTS = ("input_text", "output_text", "text")
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that returns the answer's token logprobs
 _ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -33,7 +35,7 @@ class ResponsesChatRequest(ChatCompletionRequest):
     """The chat request a Responses request runs as; errors name the Responses API's fields."""
 
     _FIELDS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text",
-               "reasoning_effort": "reasoning"}
+               "reasoning_effort": "reasoning", "logprobs": "include"}
 
     def field_name(self, sampling_name: str) -> str:
         name = super().field_name(sampling_name)
@@ -75,7 +77,12 @@ class ResponsesRequest(_Strict):
     previous_response_id: str | None = None
     conversation: Any = None
     background: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: list[str] | None = None  # of what OpenAI can add, only "message.output_text.logprobs" changes the answer
+
+    @property
+    def include_logprobs(self) -> bool:
+        return LOGPROBS in (self.include or ())
 
 
 def chat_request(body: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
@@ -98,9 +105,6 @@ def chat_request(body: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
         if raw.get(name) not in (None, 1):
             raise ConfigError(f"{name}={raw[name]!r:.20} is not supported on /v1/responses; allowed: 1 (a response "
                               "is one answer; chat completions takes n)")
-    if req.top_logprobs:
-        raise ConfigError(f"top_logprobs={req.top_logprobs} is not supported on /v1/responses yet; allowed: 0 or "
-                          "unset (chat completions gives logprobs)")
     chat = {key: value for key, value in raw.items() if key not in _RESPONSES_FIELDS}
     chat["messages"] = _messages(req)
     if req.max_output_tokens is not None:
@@ -115,6 +119,8 @@ def chat_request(body: bytes) -> tuple[ResponsesRequest, ResponsesChatRequest]:
         chat["reasoning_effort"] = req.reasoning.effort
     if req.stream:
         chat["stream_options"] = {"include_usage": True}  # response.completed carries the usage
+    if req.include_logprobs:  # as OpenAI and vLLM: top_logprobs alone returns none
+        chat["logprobs"], chat["top_logprobs"] = True, req.top_logprobs or 0
     return req, ResponsesChatRequest.model_validate(chat)
 
 

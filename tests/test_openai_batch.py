@@ -81,6 +81,33 @@ def test_choices_say_which_stop_string_or_token_ended_them(served):
     assert (streamed[-1].finish_reason, streamed[-1].stop_reason) == ("stop", words[1])
 
 
+def test_responses_return_the_answers_logprobs_when_included_as_chat_does(served):
+    _, client = served
+    ask = dict(model=MODEL, max_output_tokens=6, temperature=0)
+    response = client.responses.create(input="Capital of France?", include=["message.output_text.logprobs"],
+                                       top_logprobs=2, **ask)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Capital of France?"}],
+                                          max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+    part = response.output[0].content[0]
+    assert part.text == chat.choices[0].message.content
+    # Same tokens and alternatives; the values within float noise (a repeated prompt reads cached blocks)
+    expected = chat.choices[0].logprobs.content
+    assert [(t.token, [a.token for a in t.top_logprobs]) for t in part.logprobs] == [
+        (t.token, [a.token for a in t.top_logprobs]) for t in expected]
+    assert len(part.logprobs) == 6 and all(len(t.top_logprobs) == 2 for t in part.logprobs)
+    assert [t.logprob for t in part.logprobs] == pytest.approx([t.logprob for t in expected], abs=1e-4)
+    with client.responses.stream(input="Capital of France?", include=["message.output_text.logprobs"],
+                                 top_logprobs=2, **ask) as stream:
+        events = list(stream)
+    deltas = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert events[-1].type == "response.incomplete"  # max_output_tokens cut it, as the whole one
+    final = events[-1].response.output[0].content[0]
+    assert [t.token for t in deltas] == [t.token for t in final.logprobs] == [t.token for t in expected]
+    assert [t.logprob for t in deltas] == [t.logprob for t in final.logprobs]
+    plain = client.responses.create(input="Capital of France?", top_logprobs=2, **ask)  # not included: none
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_logit_bias_steers_the_tokens(served):
     replica, client = served
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)

@@ -166,7 +166,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event(served):
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "no json_schema.schema"),
     ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort", "none"),
     ({}, "input", "Field required"),
-    ({"input": "x", "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 is not supported on /v1/responses"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input",
      "input[0].call_id=None is invalid; allowed: a non-empty string"),
     ({"input": [{"role": "user", "content": 3}]}, "input", "input[0].content=3 is invalid; allowed: a string"),
