@@ -293,14 +293,16 @@ class EngineReplica:
         return prompt[-keep:]
 
     def _to_context(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
-        """A request without max_tokens: at most what the prompt leaves of the context."""
-        room = self.info.max_model_len - prompt_tokens
-        if room < 1:
+        """A request without max_tokens: at most what the prompt leaves of the context, and of the
+        whole KV cache where that holds less (the engine refuses a request it could never hold)."""
+        context, cache = self.info.max_model_len, self.llm.stats().max_blocks * self.info.block_size
+        most, by = (context, f"max_model_len={context}") if context <= cache else (
+            cache, f"the KV cache holds {cache} tokens; max_model_len={context}")
+        if prompt_tokens >= most:
             raise ponytail.ContextLengthError(
                 f"prompt has {prompt_tokens} tokens, which leaves no room for an answer; allowed: at most "
-                f"{self.info.max_model_len - 1} (max_model_len={self.info.max_model_len})", prompt_tokens, 1,
-                self.info.max_model_len)
-        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+                f"{most - 1} ({by})", prompt_tokens, 1, most)
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, most - prompt_tokens))
 
     def _given_token_ids(self, request: GenerateRequest) -> list[int] | None:
         """The prompt's token ids when the request brings them: a token-id prompt, or the router's

@@ -129,3 +129,12 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
         replica._to_context(ponytail.SamplingParams(max_tokens=96), 96)
     assert replica._to_context(ponytail.SamplingParams(max_tokens=96), 90).max_tokens == 6
     assert replica._to_context(ponytail.SamplingParams(max_tokens=4), 90).max_tokens == 4  # the bound stays
+    # A KV cache smaller than the context bounds it too (the engine refuses what it could never hold)
+    import dataclasses
+
+    stats, block = replica.llm.stats(), replica.info.block_size
+    replica.llm.stats = lambda: dataclasses.replace(stats, max_blocks=64 // block)
+    assert replica._to_context(ponytail.SamplingParams(max_tokens=96), 60).max_tokens == 4
+    with pytest.raises(ponytail.ContextLengthError, match=r"prompt has 64 tokens, which leaves no room for an answer; "
+                                                          r"allowed: at most 63 \(the KV cache holds 64 tokens"):
+        replica._to_context(ponytail.SamplingParams(max_tokens=96), 64)
