@@ -125,9 +125,11 @@ class AppArgs(BaseModel):
     chat_template: str | None = Field(None, description="a Jinja chat template, or the path of a file holding one, "
                                       "served instead of the tokenizer's (vLLM's --chat-template); a file is read "
                                       "where the app is built, so replicas on other nodes need no copy")
-    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic", "none"] = Field(
+    tool_call_parser: Literal["auto", "hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic", "glm45", "glm47",
+                              "none"] = Field(
         "auto", description="how tool_choice auto reads calls from the model's text (vLLM's --tool-call-parser): "
-                            "auto finds the format from the chat template (<tool_call>: hermes, which also reads "
+                            "auto finds the format from the chat template (<arg_key>: glm45, GLM-4.5 to 4.7's "
+                            "name and key/value pairs, as glm47 does; <tool_call>: hermes, which also reads "
                             "Qwen3-Coder's <function=...> XML, as qwen3_coder does; <|python_tag|>: "
                             "llama3_json, [TOOL_CALLS]: mistral, none of them: auto refused); pythonic (Llama 3.2/4's "
                             "[f(a=1)]) only when set; none reads no calls")

@@ -1,7 +1,7 @@
 """Tool calls a model writes in its own format, for tool_choice "auto": found in its output, whole or streamed.
 
 With "auto" the model decides between text and calls, so nothing constrains its output: the calls
-are whatever its chat template taught it to write. Four formats are read here (`tool_call_format`
+are whatever its chat template taught it to write. Five formats are read here (`tool_call_format`
 finds which from the served template; other templates, SmolLM2's, have none and "auto" is refused
 for them in tools.py):
 
@@ -23,6 +23,10 @@ for them in tools.py):
   `MistralCallStream` streams the text before the tag and holds the rest to the end (calls if it
   all parses, else text as written). Mistral's templates take only 9-character call ids
   (tools.py makes them so).
+- "glm45" (the template mentions `<arg_key>`: GLM-4.5, 4.6, 4.7 and their Air and Flash sizes;
+  vLLM's `glm45` / `glm47`): Hermes' `<tool_call>` blocks, each holding the function's name and
+  `<arg_key>k</arg_key><arg_value>v</arg_value>` pairs, whose text values the tool's schema types
+  (xml_tool_calls.glm_calls). `GlmCallStream` is the Hermes stream reading those bodies too.
 - "pythonic" (set by the operator, `tool_call_parser: pythonic`: no template marks it; vLLM's
   `pythonic`, for Llama 3.2 and 4 with their tool prompts, ToolACE): an answer that is calls is one
   Python list `[f(a=1), g()]`, maybe between Llama 4's `<|python_start|>` and `<|python_end|>`,
@@ -40,9 +44,9 @@ import json
 import re
 from dataclasses import dataclass
 
-from .xml_tool_calls import xml_calls
+from .xml_tool_calls import ARG_KEY, glm_calls, xml_calls
 
-HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC = "hermes", "llama3_json", "mistral", "pythonic"
+HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, GLM45 = "hermes", "llama3_json", "mistral", "pythonic", "glm45"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
@@ -54,7 +58,8 @@ _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI allows a fu
 # from the served template, "none" reads no calls (tool_choice "auto" refused), a format forces it.
 # qwen3_coder (vLLM's name for Qwen3-Coder's XML calls) is hermes here: one reader takes both bodies.
 QWEN3_CODER = "qwen3_coder"
-TOOL_CALL_PARSERS = ("auto", HERMES, QWEN3_CODER, LLAMA3_JSON, MISTRAL, PYTHONIC, "none")
+GLM47 = "glm47"  # vLLM's name for GLM-4.7's parser: the same calls as GLM-4.5's here
+TOOL_CALL_PARSERS = ("auto", HERMES, QWEN3_CODER, LLAMA3_JSON, MISTRAL, PYTHONIC, GLM45, GLM47, "none")
 
 
 def served_tool_call_format(parser: str, chat_template) -> str | None:
@@ -65,6 +70,8 @@ def served_tool_call_format(parser: str, chat_template) -> str | None:
         return tool_call_format(chat_template)
     if parser == QWEN3_CODER:
         return HERMES
+    if parser == GLM47:
+        return GLM45
     return None if parser == "none" else parser
 
 
@@ -73,6 +80,8 @@ def tool_call_format(chat_template) -> str | None:
     shows none. `chat_template` is the tokenizer's: a string, a dict of named templates, or None."""
     templates = [t for t in (chat_template.values() if isinstance(chat_template, dict) else [chat_template])
                  if isinstance(t, str)]
+    if any(ARG_KEY in t for t in templates):  # GLM's calls, in <tool_call> blocks too
+        return GLM45
     if any(OPEN in t for t in templates):
         return HERMES
     if any(PYTHON_TAG in t for t in templates):
@@ -169,7 +178,7 @@ class HermesCallStream:
         events: list[tuple[str, object]] = []
         if self._body is not None:
             body, self._body = "".join(self._body), None
-            calls = _calls(body)
+            calls = self.block_calls(body)
             if calls is not None:
                 self._called(events, calls)
             else:
@@ -180,9 +189,11 @@ class HermesCallStream:
         self._held = self._blank = ""
         return events
 
+    block_calls = staticmethod(_calls)  # a block's body -> its calls, or None: not a call
+
     def _close(self, body: str, events: list) -> None:
         self._body = None
-        calls = _calls(body)
+        calls = self.block_calls(body)
         if calls is None:
             self._content(events, OPEN + body + CLOSE)
         else:
@@ -359,8 +370,26 @@ def pythonic_calls(text: str) -> list[ParsedCall] | None:
     return calls
 
 
+def _glm_calls(body: str) -> list[ParsedCall] | None:
+    """A block's calls as Hermes reads them, else GLM-4.5's one call."""
+    calls = _calls(body)
+    if calls is not None:
+        return calls
+    found = glm_calls(body)
+    if found is None or not _FUNCTION_NAME.fullmatch(found[0][0]):
+        return None
+    return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in found]
+
+
+class GlmCallStream(HermesCallStream):
+    """GLM-4.5/4.6/4.7 (the template has `<arg_key>`): Hermes' `<tool_call>` blocks, each holding
+    a name and `<arg_key>`/`<arg_value>` pairs (xml_tool_calls.glm_calls)."""
+
+    block_calls = staticmethod(_glm_calls)
+
+
 STREAMS = {HERMES: HermesCallStream, LLAMA3_JSON: Llama3JsonCallStream, MISTRAL: MistralCallStream,
-           PYTHONIC: PythonicCallStream}
+           PYTHONIC: PythonicCallStream, GLM45: GlmCallStream}
 FORMATS = tuple(STREAMS)
 
 

@@ -14,8 +14,9 @@ or streamed as deltas.
   are sent once the list is complete.
 - tool_choice "auto" (OpenAI's default once tools are given): the model decides, unconstrained,
   and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
-  Qwen2.5/3, Hermes and their fine-tunes; Llama 3.1-3.3's JSON calls; Mistral's `[TOOL_CALLS]`;
-  vLLM's `--enable-auto-tool-choice --tool-call-parser hermes|llama3_json|mistral`, found here
+  Qwen2.5/3, Hermes and their fine-tunes; GLM-4.5-4.7's name and `<arg_key>` pairs in the same
+  blocks; Llama 3.1-3.3's JSON calls; Mistral's `[TOOL_CALLS]`; vLLM's `--enable-auto-tool-choice
+  --tool-call-parser hermes|glm45|llama3_json|mistral`, found here
   from the served chat template; pythonic calls where the operator sets that parser). Text around
   the calls is the content; with parallel_tool_calls false only the first call counts. Refused
   where the template shows no format (SmolLM2's): nothing to parse.
@@ -116,8 +117,9 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
                             parameters=parameters), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse (read: Hermes <tool_call> blocks, Llama 3's JSON calls, "
-                          f"Mistral's [TOOL_CALLS]; the server's tool_call_parser may name one, or pythonic) "
+                          f"tool-call format to parse (read: Hermes <tool_call> blocks, GLM's <arg_key> calls, Llama 3's "
+                          f"JSON calls, Mistral's [TOOL_CALLS]; the server's tool_call_parser may name one, or "
+                          f"pythonic) "
                           f"or the server reads none; allowed: {_CHOICES}")
     functions = {}
     for tool in tools:

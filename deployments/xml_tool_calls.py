@@ -1,5 +1,5 @@
 """Qwen3-Coder's XML tool calls (vLLM's `qwen3_coder` / `qwen3_xml` parsers), read inside the
-same `<tool_call>` blocks as Hermes JSON (tool_parsers.py):
+same `<tool_call>` blocks as Hermes JSON (tool_parsers.py), and GLM-4.5's (`glm_calls`):
 
     <tool_call>
     <function=get_weather>
@@ -46,6 +46,27 @@ def xml_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
         calls.append((name, arguments))
         end = match.end()
     return calls if calls and not body[end:].strip() else None
+
+
+ARG_KEY = "<arg_key>"  # in a chat template: it teaches GLM-4.5's format
+_GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)(?:</arg_value>|\Z)", re.S)
+
+
+def glm_calls(body: str) -> list[tuple[str, dict[str, str]]] | None:
+    """GLM-4.5/4.6/4.7's call in a `<tool_call>` block (vLLM's `glm45` / `glm47` parsers): the
+    function's name, then `<arg_key>k</arg_key><arg_value>v</arg_value>` pairs, one call a block;
+    None unless the body is only that. Values are text, as written (typed by the tool's schema)."""
+    at = body.find(ARG_KEY)
+    name = (body if at < 0 else body[:at]).strip()
+    if not name:
+        return None
+    arguments, end = {}, len(body) if at < 0 else at
+    for match in _GLM_ARGUMENT.finditer(body, end):
+        if body[end:match.start()].strip():
+            return None
+        arguments[match.group(1).strip()] = match.group(2)
+        end = match.end()
+    return [(name, arguments)] if not body[end:].strip() else None
 
 
 def _unwrapped(value: str) -> str:

@@ -68,7 +68,7 @@ def test_the_parser_setting_decides_the_served_format():
 
 def test_a_replica_refuses_an_unknown_parser_before_loading():
     with pytest.raises(ponytail.ConfigError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes, "
-                                                   "qwen3_coder, llama3_json, mistral, pythonic, none"):
+                                                   "qwen3_coder, llama3_json, mistral, pythonic, glm45, glm47, none"):
         EngineReplica(device="cpu", tool_call_parser="xml")
     with pytest.raises(ponytail.ConfigError, match="reasoning_parser='o1' is not supported; allowed: auto, "
                                                    "deepseek_r1, qwen3, none"):

@@ -118,6 +118,25 @@ def test_qwen3_coder_xml_calls_come_back_typed_by_the_tools_schema(served):
     assert json.loads(delta.function.arguments) == expected and chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_glm_calls_come_back_typed_by_the_tools_schema():
+    """GLM-4.5's name + <arg_key>/<arg_value> calls: text values get the schema's types, streamed too."""
+    backend = ScriptedBackend(tool_call_format="glm45")
+    forecast = {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}}}}}
+    backend.script = ["Looking.<tool_call>forecast\n<arg_key>city</arg_key>\n<arg_value>2046", "</arg_value>\n",
+                      "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>"]
+    with serve_on_loopback(build_app(backend)) as url:
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
+            choice = client.chat.completions.create(model=MODEL, messages=ASK, tools=[forecast]).choices[0]
+            chunks = [c for c in client.chat.completions.create(model=MODEL, messages=ASK, tools=[forecast],
+                                                                stream=True) if c.choices]
+    (call,) = choice.message.tool_calls
+    assert (choice.message.content, call.function.name, json.loads(call.function.arguments)) == (
+        "Looking.", "forecast", {"city": "2046", "days": 3})
+    (delta,) = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert json.loads(delta.function.arguments) == {"city": "2046", "days": 3}
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call(served):
     backend, client = served
     backend.script = TWO_CALLS

@@ -5,8 +5,9 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.tool_parsers import (HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS, HermesCallStream, ParsedCall, call_stream,
-                                      parse, tool_call_format)
+from deployments.tool_parsers import (GLM45, HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS,
+                                      HermesCallStream, ParsedCall, call_stream, parse, served_tool_call_format,
+                                      tool_call_format)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
@@ -99,6 +100,29 @@ def test_qwen3_coder_xml_calls_are_read_in_the_same_blocks():
         assert hermes(bad) == (bad, []), bad
 
 
+GLM_WEATHER = ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>New York</arg_value>\n"
+               "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>")
+
+
+def test_glm_calls_are_a_name_and_key_value_pairs_in_the_same_blocks():
+    glm_template = "{% for tc in m.tool_calls %}<tool_call>{{ tc.name }}<arg_key>{{ k }}</arg_key>{% endfor %}"
+    assert tool_call_format(glm_template) == GLM45  # GLM's template shows <tool_call> too: <arg_key> decides
+    assert served_tool_call_format("glm47", None) == served_tool_call_format("glm45", None) == GLM45
+    content, calls = parse(GLM45, "Checking.\n" + GLM_WEATHER + "<tool_call>get_time</tool_call>")
+    assert content == "Checking."
+    assert calls == [ParsedCall("get_weather", '{"city": "New York", "days": "3"}', text_values=True),
+                     ParsedCall("get_time", "{}", text_values=True)]
+    compact = "<tool_call>f<arg_key>a</arg_key><arg_value> x\ny </arg_value></tool_call>"  # GLM-4.7 writes no newlines
+    assert parse(GLM45, compact)[1] == [ParsedCall("f", '{"a": " x\\ny "}', text_values=True)]
+    assert parse(GLM45, WEATHER)[1] == hermes(WEATHER)[1]  # a JSON body reads as Hermes'
+    assert parse(GLM45, "<tool_call>f<arg_key>a</arg_key><arg_value>1")[1] == [ParsedCall("f", '{"a": "1"}', True)]
+    for bad in ("<tool_call>bad name</tool_call>", "<tool_call>f<arg_key>a</arg_key>junk</tool_call>",
+                "<tool_call>f<arg_key>a</arg_key><arg_value>1</arg_value> trailing</tool_call>",
+                "<tool_call></tool_call>"):
+        assert parse(GLM45, bad) == (bad, []), bad
+    assert hermes(GLM_WEATHER) == (GLM_WEATHER, [])  # a Hermes model's block of text is no call
+
+
 def test_xml_values_take_the_types_the_tools_schema_declares():
     from deployments.xml_tool_calls import typed_arguments
 
@@ -130,6 +154,11 @@ MISTRAL_TEXTS = st.lists(st.sampled_from([" ", "\n", "Sure.", TOOL_CALLS, "[TOOL
                          max_size=10).map("".join)
 
 
+GLM_TEXTS = st.lists(st.sampled_from(["Sure, ", "<tool_call>", "</tool_call>", "get_time", "<arg_key>", "city",
+                                      "</arg_key>", "<arg_value>", "Paris", "</arg_value>", "\n", " ", GLM_WEATHER,
+                                      WEATHER, "<tool", "_call>", "</arg"]), max_size=12).map("".join)
+
+
 PYTHONIC_TEXTS = st.lists(st.sampled_from([" ", "\n", "[", "]", "get_weather(", 'city="Paris"', ")", ", ", "get_time()",
                                            "<|python_start|>", "<|python", "<|python_end|>", "Sure", "x=1"]),
                           max_size=10).map("".join)
@@ -138,8 +167,9 @@ PYTHONIC_TEXTS = st.lists(st.sampled_from([" ", "\n", "[", "]", "get_weather(", 
 @settings(max_examples=300, deadline=None)
 @given(data=st.data(), cuts=st.lists(st.floats(min_value=0, max_value=1), max_size=8))
 def test_a_stream_cut_anywhere_gives_the_whole_answer(data, cuts):
-    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC]))
-    text = data.draw({HERMES: TEXTS, LLAMA3_JSON: LLAMA3_TEXTS, MISTRAL: MISTRAL_TEXTS, PYTHONIC: PYTHONIC_TEXTS}[fmt])
+    fmt = data.draw(st.sampled_from([HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, GLM45]))
+    text = data.draw({HERMES: TEXTS, LLAMA3_JSON: LLAMA3_TEXTS, MISTRAL: MISTRAL_TEXTS, PYTHONIC: PYTHONIC_TEXTS,
+                      GLM45: GLM_TEXTS}[fmt])
     bounds = sorted({0, len(text), *(int(c * len(text)) for c in cuts)})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:])]
     content, calls, events = streamed(pieces, fmt)
