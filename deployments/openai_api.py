@@ -65,7 +65,7 @@ from .prompts import with_template_defaults
 from .reasoning import with_reasoning
 from . import anthropic_api, anthropic_protocol, responses_protocol
 from .responses_api import ResponsesShape
-from .tools import ToolCallFormat, plan_structured
+from .tools import ToolCallFormat, plan_structured, template_messages
 
 logger = logging.getLogger("ponytail.openai")
 
@@ -528,8 +528,9 @@ class _OpenAIServer:
             info = await self.model_info()
             if not info.serves(req.model):
                 raise _model_not_found(req.model, info)
-            options = chat.template_options()
-            tokens = await self.backend.tokenize(None, [m.to_dict() for m in chat.messages], options)
+            messages = [m.to_dict() for m in chat.messages]
+            template_messages(messages, bool(chat.tools), info.tool_call_format)  # as the message renders them
+            tokens = await self.backend.tokenize(None, messages, chat.template_options())
             return Response(json.dumps({"input_tokens": len(tokens)}), media_type="application/json")
         except Exception as exc:
             return anthropic_api.error_response(_api_error(exc))
@@ -551,6 +552,7 @@ class _OpenAIServer:
                 if (req.prompt is None) == (req.messages is None):
                     raise APIError(400, "give exactly one of prompt (a string) and messages", param="prompt")
                 messages = None if req.messages is None else [m.to_dict() for m in req.messages]
+                template_messages(messages, bool(req.tools), info.tool_call_format)  # as a chat renders them
                 options = req.template_options() if messages is not None else {}
                 tokens = await self.backend.tokenize(req.prompt, messages, options)
                 body = TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=info.max_model_len)

@@ -73,14 +73,9 @@ def plan_structured(req: ChatCompletionRequest, generate: GenerateRequest,
     request; returns the ToolPlan when the answer may be tool calls. tool_format: the format the
     served chat template writes calls in (ModelInfo.tool_call_format). ConfigError names the field."""
     tools = req.tools or []
-    if tool_format is not None:  # earlier calls as the template writes them, with tools given or not
-        _arguments_as_objects(generate.messages)
-        if tool_format == MISTRAL:
-            _nine_character_ids(generate.messages)
+    template_messages(generate.messages, bool(tools), tool_format)
     if tools:
         generate.tools = [tool.model_dump(exclude_none=True) for tool in tools]
-        if tool_format is None:
-            _describe_earlier_calls(generate.messages)
     elif req.tool_choice is not None and req.tool_choice != "none":
         raise ConfigError(f"tool_choice={_show(req.tool_choice)} is invalid without tools; "
                           "allowed: give tools, or leave tool_choice out")
@@ -140,6 +135,17 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
     if name not in functions:
         raise ConfigError(f"tool_choice={_show(choice)} names no tool; allowed: one of {sorted(functions)}")
     return ToolPlan(name=name), functions[name]
+
+
+def template_messages(messages: list[dict] | None, tools_given: bool, tool_format: str | None) -> None:
+    """Earlier tool calls in `messages` (to_dict()'s) as the chat template is handed them, in place:
+    what a chat renders, and so what /tokenize and count_tokens count."""
+    if tool_format is not None:  # earlier calls as the template writes them, with tools given or not
+        _arguments_as_objects(messages)
+        if tool_format == MISTRAL:
+            _nine_character_ids(messages)
+    elif tools_given:
+        _describe_earlier_calls(messages)
 
 
 def _describe_earlier_calls(messages: list[dict] | None) -> None:

@@ -108,6 +108,28 @@ def test_responses_return_the_answers_logprobs_when_included_as_chat_does(served
     assert plain.output[0].content[0].logprobs == []
 
 
+def test_tokenize_counts_a_conversation_with_earlier_tool_calls_as_the_chat_runs_it(served):
+    """The template is handed earlier calls the way a chat hands them (here, with no tool format,
+    described as the assistant's content), so /tokenize and the chat's prompt_tokens agree."""
+    import json
+    import urllib.request
+
+    _, client = served
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, tools=[weather], tool_choice="none",
+                                          max_tokens=1)
+    request = urllib.request.Request(client.url + "/tokenize", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"messages": messages, "tools": [weather]}).encode())
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.loads(response.read())["count"] == chat.usage.prompt_tokens
+
+
 def test_logit_bias_steers_the_tokens(served):
     replica, client = served
     args = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=3, temperature=0)
