@@ -35,10 +35,8 @@ def error_body(status: int, message: str) -> dict[str, Any]:
 
 def error_response(error) -> Response:
     """An APIError (openai_api.py) in Anthropic's shape, with its status and headers."""
-    response = error.response()
     return Response(json.dumps(error_body(error.status, error.info.message)), status_code=error.status,
-                    media_type="application/json",
-                    headers={k: v for k, v in response.headers.items() if k.lower() == "retry-after"})
+                    media_type="application/json", headers=error.headers())
 
 
 def usage(chat_usage) -> dict[str, int]:
@@ -94,6 +92,7 @@ class MessagesShape:
     def events(self, chunks: AsyncIterator) -> AsyncIterator[dict[str, Any]]:
         """The Messages event stream of a chat chunk stream."""
         return shaped_events(_EventWriter(self).feed, chunks)
+
 
 class _EventWriter:
     """The open content block of one streamed message and the events that move it on."""

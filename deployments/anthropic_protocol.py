@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ponytail import ConfigError
 
-from .openai_protocol import ChatCompletionRequest
+from .openai_protocol import ChatCompletionRequest, TokenizeRequest
 
 # Fields mapped here; everything else a chat request takes (vLLM's sampling extras,
 # chat_template_kwargs, structured_outputs, ...) passes through under its own name.
@@ -70,6 +70,12 @@ class MessagesRequest(CountTokensRequest):
     output_config: dict[str, Any] | None = None
     mcp_servers: list[Any] | None = None
     container: Any = None
+
+
+def count_tokens_request(body: bytes) -> tuple[CountTokensRequest, TokenizeRequest]:
+    """`/v1/messages/count_tokens`' body and the /tokenize request that renders its prompt."""
+    req = CountTokensRequest.model_validate(messages_body(body))
+    return req, TokenizeRequest.model_validate({**chat_fields(req), "chat_template_kwargs": req.template_kwargs()})
 
 
 def messages_body(body: bytes) -> dict[str, Any]:

@@ -76,8 +76,8 @@ class HTTPGuard:
             return await self.app(scope, receive, send)
         content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
         if content_type != "application/json":
-            return await _send_error(scope, send, 415, f"Content-Type {content_type or '(none)'!r:.60} is not supported; "
-                                     "allowed: application/json", "unsupported_media_type")
+            return await _send_error(scope, send, 415, f"Content-Type {content_type or '(none)'!r:.60} is not "
+                                     "supported; allowed: application/json", "unsupported_media_type")
         limit = self.policy.max_body_bytes
         length = _header(scope, b"content-length")
         if length is not None and length.isdigit() and int(length) > limit:

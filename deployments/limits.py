@@ -56,9 +56,8 @@ class RequestLimits:
             raise LimitExceeded(f"stop has a string of {longest} characters; allowed: at most "
                                 f"{self.max_stop_chars} (max_stop_chars)", "stop")
         max_tokens = getattr(request, max_tokens_field, None)
-        bound, by = self.output_bound(max_model_len), "the model's context"
-        if self.max_output_tokens is not None:
-            by = "max_output_tokens"
+        bound = self.output_bound(max_model_len)
+        by = "the model's context" if self.max_output_tokens is None else "max_output_tokens"
         if max_tokens is not None and max_tokens > bound:
             raise LimitExceeded(f"{max_tokens_field}={max_tokens} is more than {by} allows: at most {bound} "
                                 f"(max_model_len={max_model_len})", max_tokens_field,

@@ -123,9 +123,11 @@ class APIError(Exception):
     def body(self) -> str:
         return ErrorResponse(error=self.info).model_dump_json()
 
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status == 503 else None
+
     def response(self) -> Response:
-        headers = {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))} if self.status == 503 else None
-        return Response(self.body(), status_code=self.status, media_type="application/json", headers=headers)
+        return Response(self.body(), status_code=self.status, media_type="application/json", headers=self.headers())
 
 
 class _ClientGone(Exception):
@@ -171,6 +173,19 @@ def _api_error(exc: BaseException, request_id: str | None = None,
     logger.error("request %s failed", request_id, exc_info=exc)
     which = f" in request {request_id}" if request_id else ""
     return APIError(500, f"internal server error{which}; the server log has the details")
+
+
+def _parsed(parse: Callable, body: bytes):
+    """parse(body), its errors as 400s: pydantic's naming each field, ConfigError's as they are
+    (a field this server does not do), json.loads' as not JSON."""
+    try:
+        return parse(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    except ValueError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise APIError(400, f"the body is not valid JSON: {exc}") from None
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -440,18 +455,12 @@ class _OpenAIServer:
         request_id, field_name, shape = None, None, None
         dialect = kind if isinstance(kind, Dialect) else None
         try:
-            try:
-                if dialect is not None:
-                    outer, req = dialect.parse(await request.body())
-                    kind, shape = ChatCompletionRequest, dialect.shape(outer, req)
-                else:
-                    req = kind.model_validate_json(await request.body())
-            except ValidationError as exc:
-                raise _validation_error(exc) from None
-            except ValueError as exc:  # not JSON at all (json.loads, for a dialect)
-                if isinstance(exc, ConfigError):
-                    raise
-                raise APIError(400, f"the body is not valid JSON: {exc}") from None
+            body = await request.body()
+            if dialect is not None:
+                outer, req = _parsed(dialect.parse, body)
+                kind, shape = ChatCompletionRequest, dialect.shape(outer, req)
+            else:
+                req = _parsed(kind.model_validate_json, body)
             field_name = getattr(req, "field_name", None)
             info = await self.model_info()
             if req.model is not None and not info.serves(req.model):
@@ -497,8 +506,8 @@ class _OpenAIServer:
                     await _close_all(generations)
             for collected in results:
                 _record(metrics, [last for *_, last in collected], started)
-            choices = [_with_stop_reason(fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items),
-                                         last) for g, collected in enumerate(results) for text, items, last in collected]
+            choices = [_with_stop_reason(fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items), last)
+                       for g, collected in enumerate(results) for text, items, last in collected]
             usage = _usage([collected[0][2] for collected in results],
                            [last for collected in results for *_, last in collected])
             full = fmt.full(choices, usage)
@@ -514,17 +523,7 @@ class _OpenAIServer:
     async def count_message_tokens(self, request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens as a Messages request would run it."""
         try:
-            try:
-                req = anthropic_protocol.CountTokensRequest.model_validate(
-                    anthropic_protocol.messages_body(await request.body()))
-                chat = TokenizeRequest.model_validate({**anthropic_protocol.chat_fields(req),
-                                                       "chat_template_kwargs": req.template_kwargs()})
-            except ValidationError as exc:
-                raise _validation_error(exc) from None
-            except ValueError as exc:
-                if isinstance(exc, ConfigError):
-                    raise
-                raise APIError(400, f"the body is not valid JSON: {exc}") from None
+            req, chat = _parsed(anthropic_protocol.count_tokens_request, await request.body())
             info = await self.model_info()
             if not info.serves(req.model):
                 raise _model_not_found(req.model, info)
@@ -539,10 +538,7 @@ class _OpenAIServer:
         """vLLM's /tokenize and /detokenize, so clients count and cut tokens as the engine does."""
         try:
             kind = DetokenizeRequest if detokenize else TokenizeRequest
-            try:
-                req = kind.model_validate_json(await request.body())
-            except ValidationError as exc:
-                raise _validation_error(exc) from None
+            req = _parsed(kind.model_validate_json, await request.body())
             info = await self.model_info()
             if req.model is not None and not info.serves(req.model):
                 raise _model_not_found(req.model, info)

@@ -157,7 +157,9 @@ class EngineReplica:
         if prompt is None:
             prompt = await asyncio.to_thread(self._prompt_token_ids, request)
         self.admit_seconds += time.monotonic() - called
-        answer_room = min(params.max_tokens, TRUNCATED_ANSWER_ROOM) if request.max_tokens_to_context else params.max_tokens
+        answer_room = params.max_tokens  # what truncate_prompt_tokens -1 leaves room for
+        if request.max_tokens_to_context:
+            answer_room = min(answer_room, TRUNCATED_ANSWER_ROOM)
         prompt = self._truncated(prompt, request.truncate_prompt_tokens, answer_room)
         if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
             raise ponytail.ContextLengthError(

@@ -77,6 +77,7 @@ class ResponsesShape:
         """The Responses event stream of a chat chunk stream."""
         return shaped_events(_EventWriter(self).feed, chunks)
 
+
 class _EventWriter:
     """The open items of one streamed response and the events that move them on."""
 

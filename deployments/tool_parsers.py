@@ -106,14 +106,19 @@ def _calls(body: str) -> list[ParsedCall] | None:
     not that (bad JSON, a call without a name)."""
     xml = xml_calls(body)
     if xml is not None:
-        if not all(_FUNCTION_NAME.fullmatch(name) for name, _ in xml):
-            return None
-        return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in xml]
+        return _text_valued(xml)
     try:
         items = json.loads(body)
     except ValueError:
         return None
     return _call_items(items if isinstance(items, list) else [items])
+
+
+def _text_valued(found: list[tuple[str, dict[str, str]]]) -> list[ParsedCall] | None:
+    """Calls whose argument values are text as written (XML and GLM calls); None if a name is not one."""
+    if not all(_FUNCTION_NAME.fullmatch(name) for name, _ in found):
+        return None
+    return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in found]
 
 
 def _call_items(items: list) -> list[ParsedCall] | None:
@@ -376,9 +381,7 @@ def _glm_calls(body: str) -> list[ParsedCall] | None:
     if calls is not None:
         return calls
     found = glm_calls(body)
-    if found is None or not _FUNCTION_NAME.fullmatch(found[0][0]):
-        return None
-    return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in found]
+    return None if found is None else _text_valued(found)
 
 
 class GlmCallStream(HermesCallStream):

@@ -112,10 +112,9 @@ def _tool_schema(req: ChatCompletionRequest, tools: list,
                             parameters=parameters), None
         given = "None (OpenAI's default 'auto' once tools are given)" if choice is None else "'auto'"
         raise ConfigError(f"tool_choice={given} is not supported: the served model's chat template has no "
-                          f"tool-call format to parse (read: Hermes <tool_call> blocks, GLM's <arg_key> calls, Llama 3's "
-                          f"JSON calls, Mistral's [TOOL_CALLS]; the server's tool_call_parser may name one, or "
-                          f"pythonic) "
-                          f"or the server reads none; allowed: {_CHOICES}")
+                          "tool-call format to parse (read: Hermes <tool_call> blocks, GLM's <arg_key> calls, "
+                          "Llama 3's JSON calls, Mistral's [TOOL_CALLS]; the server's tool_call_parser may name "
+                          f"one, or pythonic) or the server reads none; allowed: {_CHOICES}")
     functions = {}
     for tool in tools:
         name = tool.function.name

@@ -21,7 +21,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 
 
 def check_chat_template_options(kwargs: dict[str, Any] | None, add_generation_prompt: bool,
-                           continue_final_message: bool, messages: list[dict[str, Any]] | None = None) -> None:
+                                continue_final_message: bool, messages: list[dict[str, Any]] | None = None) -> None:
     """The chat template's options as vLLM takes them; ConfigError names the field at fault."""
     if kwargs is not None and not isinstance(kwargs, dict):
         raise ConfigError(f"chat_template_kwargs={kwargs!r:.80} is invalid; allowed: an object of names the "
@@ -43,9 +43,9 @@ def _has_text(content: Any) -> bool:
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: bool,
-                   tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                   continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-                   ) -> str | list[int]:
+                tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
+                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
+                ) -> str | list[int]:
     """The template applied: its text, or with tokenize its token ids (the template writes the
     special tokens; none are added). ConfigError for a refused conversation."""
     import jinja2
