@@ -232,3 +232,26 @@ def test_on_the_real_engine_counts_the_prefix_cache_and_count_tokens_matches():
     assert again.usage.input_tokens == counted - again.usage.cache_read_input_tokens
     assert again.content[0].text == first.content[0].text  # greedy: the cached blocks give the same answer
     assert (stopped.stop_reason, stopped.stop_sequence) == ("stop_sequence", words[1])
+
+
+@pytest.mark.parametrize("body, status, kind, message", [
+    (b"{bad", 400, "invalid_request_error", "the body is not valid JSON: Expecting property name"),
+    (b'{"model": "claude-sonnet", "messages": []}', 404, "not_found_error",
+     "the model 'claude-sonnet' does not exist; this server serves 'hermes-model'"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "document"}]}]}).encode(), 400,
+     "invalid_request_error", "messages[0].content[0].type='document' is not supported in a user turn"),
+    (json.dumps({"model": MODEL}).encode(), 400, "invalid_request_error", "messages: Field required"),
+])
+def test_count_tokens_refuses_bad_requests_in_anthropics_shape(served, body, status, kind, message):
+    try:
+        import httpx2 as httpx  # what openai>=3 ships with
+    except ImportError:  # pragma: no cover - older clients use httpx
+        import httpx
+
+    _, client = served
+    response = httpx.post(f"{client.base_url}/v1/messages/count_tokens".replace("//v1", "/v1"), content=body,
+                          headers={"Content-Type": "application/json"}, timeout=5.0)
+    assert response.status_code == status
+    error = response.json()
+    assert error["type"] == "error" and error["error"]["type"] == kind
+    assert error["error"]["message"].startswith(message), error
