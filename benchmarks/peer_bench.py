@@ -36,6 +36,7 @@ from ponytail.runner.compile import can_compile, restore_decoder_layers
 from ponytail.runner.fused_projections import can_fuse, unfuse_projections
 from ponytail.runner.gemm_layout import row_major_weights
 
+import kernel_time
 import peer_workloads
 from vllm_peer import read_results, run_vllm
 
@@ -187,8 +188,10 @@ def verdict_line(peer: str, verdict) -> str:
     return line
 
 
-def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> dict:
-    """One workload on a fresh engine with Ponytail's defaults but llm_args (a short unrelated request first)."""
+@contextlib.contextmanager
+def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict):
+    """A fresh engine with Ponytail's defaults but llm_args, after a short unrelated request; the
+    model is given back as loaded after it."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -196,12 +199,18 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
     try:
         llm.generate([warmup], greedy(2))
         sync()
+        yield llm
+    finally:
+        restore_model(model)
+
+
+def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> dict:
+    """One workload on a fresh engine (see ponytail_engine), timed."""
+    with ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args) as llm:
         t0 = time.perf_counter()
         outputs = llm.generate(work.prompts, [greedy(n) for n in work.output_lens])
         sync()
         seconds = time.perf_counter() - t0
-    finally:
-        restore_model(model)
     config = llm.engine.cache.config
     failed = [o for o in outputs if o.error is not None or o.metrics.first_token_time is None]
     if failed:  # a number over requests that did not run would be no measurement
@@ -215,6 +224,14 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
               "preemptions": llm.stats().num_preemptions}
     del llm, outputs
     return result
+
+
+def profile_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> dict:
+    """One workload on a fresh engine under kernel_time.recorded: its summary."""
+    device = next(model.parameters()).device.type
+    with ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args) as llm, kernel_time.recorded(device) as summary:
+        llm.generate(work.prompts, [greedy(n) for n in work.output_lens])
+    return summary
 
 
 def rates(result: dict) -> dict:
@@ -249,6 +266,9 @@ def add_arguments(parser) -> None:
                       help="PYTHONPATH of vLLM's process (default: $VLLM_PYTHONPATH; ours is never passed on)")
     side.add_argument("--vllm-timeout", type=float, default=3600.0, help="seconds vLLM's whole run may take")
     side.add_argument("--vllm-workdir", help="where vLLM's request, results and log go (default: a temp dir)")
+    side.add_argument("--profile", default="",
+                      help="workloads (comma-separated) each engine runs once more under torch.profiler after the "
+                           "timing: device time by kind of kernel, side by side (kernel_time.py)")
     side.add_argument("--vllm-reuse", action="store_true",
                       help="take vLLM's results from --vllm-workdir (an earlier run on the same requests)")
 
@@ -262,6 +282,9 @@ def side_by_side(parser, args, peers: list[str]) -> bool:
         parser.error(f"--workload {args.workload!r}: allowed: {', '.join(peer_workloads.WORKLOADS)} "
                      f"(comma-separated), or all")
     args.workload = workloads
+    args.profile = [w for w in args.profile.split(",") if w]
+    if set(args.profile) - set(workloads):
+        parser.error(f"--profile {','.join(args.profile)}: expected workloads of --workload ({','.join(workloads)})")
     if not ("vllm" in peers or workloads != ["fixed"] or args.model or any(":" in p for p in peers)):
         return False
     in_process = sorted(set(peers) & {"plain", "generate_batch"})
@@ -294,7 +317,7 @@ def run(args, peers: list[str]) -> int:
     warmup = peer_workloads.check_prompts(vocab, requests=1, length=8, seed=args.seed + 1)[0]
     report = {"model": model_dir, "workloads": {w.name: {"requests": len(w.prompts), "prompt_tokens": w.prompt_tokens,
                                                          "output_tokens": w.output_tokens} for w in workloads},
-              "start": {}, "check": {}, "results": {}, "skipped": {}}
+              "start": {}, "check": {}, "results": {}, "skipped": {}, "profiles": {}}
 
     vllm = None
     if "vllm" in peers:  # first: before this process holds any device memory
@@ -302,7 +325,7 @@ def run(args, peers: list[str]) -> int:
         dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
         request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup,
                    "check": {"prompts": check, "steps": args.check_tokens},
-                   "workloads": [w.to_json() for w in workloads]}
+                   "workloads": [w.to_json() for w in workloads], "profile": args.profile}
         workdir = Path(args.vllm_workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
         if args.vllm_reuse:  # an earlier run's results, on the same requests (checked below)
             vllm = read_results(workdir)
@@ -348,7 +371,15 @@ def run(args, peers: list[str]) -> int:
             report["results"][peer][w.name] = rates(result)
             print(f"{peer} {w.name}: {report['results'][peer][w.name][f'{w.metric}_tokens_per_s']:,.1f} "
                   f"{w.metric} tokens/s", flush=True)
+    if vllm is not None and args.profile:
+        report["profiles"]["vllm"] = vllm.get("profiles", {})
+    for peer in ours:
+        for w in (w for w in workloads if w.name in args.profile):
+            with peer_launch(peer):
+                profile = profile_ponytail(model, tokenizer, w, args.kv_memory, warmup, llm_args_for(peer, model))
+            report["profiles"].setdefault(peer, {})[w.name] = profile
     print_table(report, workloads)
+    print_profiles(report["profiles"], args.profile)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
     return 0
@@ -392,3 +423,26 @@ def print_table(report: dict, workloads) -> None:
             console.print(f"{engine} {name}: KV pool peak {r['kv_pool_peak_bytes'] / 1e9:.2f} GB (all requests at once "
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
+
+
+def print_profiles(profiles: dict, names: list[str], top: int = 8) -> None:
+    """Per profiled workload: each engine's device time by kind of kernel, then its top kernels."""
+    console = Console(width=max(Console().width, 120))
+    for name in names:
+        engines = [e for e in profiles if name in profiles[e]]
+        if not engines:
+            continue
+        table = Table(title=f"{name}: device time by kind of kernel, seconds (one profiled run each)")
+        table.add_column("kind")
+        for engine in engines:
+            table.add_column(engine, justify="right")
+        kinds = list(dict.fromkeys(k for e in engines for k in profiles[e][name]["by_kind_s"]))
+        for kind in kinds:
+            table.add_row(kind, *(f"{profiles[e][name]['by_kind_s'].get(kind, 0.0):.3f}" for e in engines))
+        table.add_row("all kernels, summed", *(f"{profiles[e][name]['kernel_s']:.3f}" for e in engines))
+        table.add_row("kernels launched", *(f"{profiles[e][name]['kernels']:,}" for e in engines))
+        table.add_row("wall, profiled", *(f"{profiles[e][name]['wall_s']:.3f}" for e in engines))
+        console.print(table)
+        for engine in engines:
+            for k in profiles[engine][name]["top"][:top]:
+                console.print(f"  {engine} {name}: {k['seconds']:8.3f} s {k['calls']:8,} x {k['name'][:90]}")

@@ -27,25 +27,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import ponytail
 from bench_engine import bench_model, prompts, sync  # benchmarks/ is on sys.path when run as a script
+from kernel_time import kind_of
 from ponytail import SamplingParams
-
-# Kernel name fragments -> kind; first match wins.
-KINDS = [
-    ("attention (ponytail decode)", ("paged_decode",)),
-    ("attention (flash, prefill)", ("flash",)),
-    ("cache write (ponytail)", ("write_slots", "write_kv")),
-    ("GEMM", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_", "sm80_")),
-    ("sampling", ("topk", "sort", "softmax", "argmax", "multinomial", "cumsum")),
-]
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, fragments in KINDS:
-        if any(f in lowered for f in fragments):
-            return kind
-    return "other (norms, rotary, adds, activations, copies)"
-
 
 def run_until_decoding(engine, requests, prompt_len, output_len, vocab):
     params = SamplingParams(max_tokens=output_len, temperature=0, ignore_eos=True)

@@ -29,9 +29,50 @@ import peer_workloads
 from peer_bench import sync
 
 
+# Decode-only steps are grouped by their rows (the batch), up to each bound.
+BATCH_BUCKETS = (8, 32, 128, 512, 1 << 30)
+
+
+class Timeline:
+    """What each forward pass the runner launches holds, and when it is launched: with async
+    scheduling a launch waits for the step before it to be read back, so the time from one
+    launch to the next is a step's duration on the device (or the host's, when that is longer)."""
+
+    def __init__(self, runner):
+        self.runner, self.execute = runner, runner.execute
+        self.launches: list[tuple[float, int, int]] = []  # (time, decode rows, prompt tokens)
+        runner.execute = self._execute
+
+    def _execute(self, chunks, *args, **kwargs):
+        prompt = sum(min(c.num_tokens, max(0, len(c.request.prompt_token_ids) - c.start)) for c in chunks)
+        decode = sum(1 for c in chunks if c.start >= len(c.request.prompt_token_ids))
+        self.launches.append((time.perf_counter(), decode, prompt))
+        return self.execute(chunks, *args, **kwargs)
+
+    def close(self, end: float) -> dict:
+        """Seconds and steps by kind: steps with prompt tokens, then decode-only steps by rows."""
+        del self.runner.execute  # the instance attribute: the class's method again
+        times = [t for t, _, _ in self.launches] + [end]
+        kinds: dict[str, list[float]] = {}
+        for (t, decode, prompt), after in zip(self.launches, times[1:]):
+            if prompt:
+                kind = "with prompt tokens"
+            else:
+                kind = f"decode, <= {next(b for b in BATCH_BUCKETS if decode <= b)} rows".replace(f"{1 << 30}", "any")
+            entry = kinds.setdefault(kind, [0, 0.0, 0, 0])
+            entry[0] += 1
+            entry[1] += after - t
+            entry[2] += decode
+            entry[3] += prompt
+        return {kind: {"steps": n, "seconds": s, "decode_rows": d, "prompt_tokens": p}
+                for kind, (n, s, d, p) in sorted(kinds.items())}
+
+
 def step_loop(llm, work, profile_steps: int = 0) -> dict:
-    """Every request added at once, then engine.step() until done; the first profile_steps steps under cProfile."""
+    """Every request added at once, then engine.step() until done; the first profile_steps steps
+    under cProfile. The result's "timeline" splits the time by kind of step (Timeline)."""
     engine = llm.engine
+    timeline = Timeline(engine.runner)
     for prompt, n in zip(work.prompts, work.output_lens):
         engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     profiler = cProfile.Profile() if profile_steps else None
@@ -47,12 +88,15 @@ def step_loop(llm, work, profile_steps: int = 0) -> dict:
         steps.append(time.perf_counter() - start)
         tokens += sum(len(o.new_token_ids) for o in outputs)
     sync()
-    seconds = time.perf_counter() - t0
+    end = time.perf_counter()
+    seconds = end - t0
+    by_kind = timeline.close(end)
     for request_id in list(engine.requests):
         engine.forget(request_id)
     steps.sort()
     result = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds, "steps": len(steps),
-              "step_p50_ms": 1e3 * steps[len(steps) // 2], "step_mean_ms": 1e3 * seconds / len(steps)}
+              "step_p50_ms": 1e3 * steps[len(steps) // 2], "step_mean_ms": 1e3 * seconds / len(steps),
+              "timeline": by_kind}
     if profiler is not None:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
@@ -85,7 +129,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="checkpoint directory (random_checkpoint.py builds one)")
     parser.add_argument("--requests", type=int, default=peer_workloads.MIXED_REQUESTS)
-    parser.add_argument("--concurrency", type=int, default=256, help="AsyncLLM run: requests in flight at most")
+    parser.add_argument("--concurrency", type=int, default=256,
+                        help="AsyncLLM run: requests in flight at most (0: no such run)")
     parser.add_argument("--stream-interval-s", type=float, default=0.05, help="as app.yaml's stream_interval_s")
     parser.add_argument("--profile-steps", type=int, default=200, help="steps profiled (0: no profile)")
     parser.add_argument("--json", help="write the numbers (and the profile's text) here")
@@ -95,15 +140,22 @@ def main() -> int:
     work = peer_workloads.build("mixed", config.vocab_size, llm.max_model_len)
     work = peer_workloads.PeerWorkload("mixed", work.prompts[: args.requests], work.output_lens[: args.requests],
                                        "output")
-    step_loop(llm, peer_workloads.PeerWorkload("warmup", work.prompts[:8], [4] * 8, "output"))  # compile, graphs
+    other = peer_workloads.build("mixed", config.vocab_size, llm.max_model_len, seed=1).prompts[:8]  # not cached
+    step_loop(llm, peer_workloads.PeerWorkload("warmup", other, [4] * 8, "output"))  # compile, graphs
     print(f"{len(work.prompts)} mixed requests, {work.prompt_tokens:,} prompt / {work.output_tokens:,} output "
           f"tokens, {llm.device}")
     loop = step_loop(llm, work)
     print(f"engine step loop: {loop['tokens_per_s']:,.0f} output tokens/s, {loop['steps']} steps, "
           f"step p50 {loop['step_p50_ms']:.2f} ms, mean {loop['step_mean_ms']:.2f} ms")
-    stream = asyncio.run(streamed(llm, work, args.concurrency, args.stream_interval_s))
-    print(f"AsyncLLM, {args.concurrency} in flight, stream interval {args.stream_interval_s} s: "
-          f"{stream['tokens_per_s']:,.0f} output tokens/s, {stream['engine_steps']} steps, {stream['deltas']} deltas")
+    for kind, t in loop["timeline"].items():
+        print(f"  {kind:22s} {t['steps']:6,} steps {t['seconds']:8.3f} s ({1e3 * t['seconds'] / t['steps']:7.2f} ms "
+              f"each), {t['decode_rows']:,} decode rows, {t['prompt_tokens']:,} prompt tokens")
+    stream = None
+    if args.concurrency:
+        stream = asyncio.run(streamed(llm, work, args.concurrency, args.stream_interval_s))
+        print(f"AsyncLLM, {args.concurrency} in flight, stream interval {args.stream_interval_s} s: "
+              f"{stream['tokens_per_s']:,.0f} output tokens/s, {stream['engine_steps']} steps, "
+              f"{stream['deltas']} deltas")
     report = {"requests": len(work.prompts), "prompt_tokens": work.prompt_tokens, "output_tokens": work.output_tokens,
               "device": str(llm.device), "step_loop": loop, "async_llm": stream}
     if args.profile_steps:

@@ -89,9 +89,30 @@ def _ttft(output) -> float | None:
     return None
 
 
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
+def _prepare(llm, warmup: list[int], SamplingParams, TokensPrompt) -> None:
+    """An empty prefix cache after a short unrelated request: no workload finds an earlier one's blocks."""
+    if hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+    llm.generate([TokensPrompt(prompt_token_ids=warmup)], _sampling(SamplingParams, 2), use_tqdm=False)
+    if hasattr(llm, "reset_prefix_cache"):
+        llm.reset_prefix_cache()
+
+
+def _generate(llm, work: dict, SamplingParams, TokensPrompt):
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
+    return llm.generate(prompts, [_sampling(SamplingParams, n) for n in work["output_lens"]], use_tqdm=False)
+
+
 def worker(request: dict) -> dict:
     """request: model, dtype, seed, check {prompts, steps}, warmup (a prompt),
-    workloads [{name, prompts, output_lens}], spawned_at (the parent's time.time() at spawn)."""
+    workloads [{name, prompts, output_lens}], spawned_at (the parent's time.time() at spawn), and
+    optionally profile (workload names run once more under kernel_time.recorded, after the timing)."""
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -120,15 +141,9 @@ def worker(request: dict) -> dict:
                             "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]})
     results = []
     for work in request["workloads"]:
-        if hasattr(llm, "reset_prefix_cache"):
-            llm.reset_prefix_cache()  # no workload finds an earlier one's blocks
-        llm.generate([TokensPrompt(prompt_token_ids=request["warmup"])], _sampling(SamplingParams, 2), use_tqdm=False)
-        if hasattr(llm, "reset_prefix_cache"):
-            llm.reset_prefix_cache()
-        prompts = [TokensPrompt(prompt_token_ids=p) for p in work["prompts"]]
-        params = [_sampling(SamplingParams, n) for n in work["output_lens"]]
+        _prepare(llm, request["warmup"], SamplingParams, TokensPrompt)
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        outs = _generate(llm, work, SamplingParams, TokensPrompt)
         seconds = time.perf_counter() - t0
         produced = sum(len(o.outputs[0].token_ids) for o in outs)
         ttfts = sorted(t for t in map(_ttft, outs) if t is not None)
@@ -136,8 +151,15 @@ def worker(request: dict) -> dict:
                         "expected_output_tokens": sum(work["output_lens"]),
                         "prompt_tokens": sum(len(p) for p in work["prompts"]),
                         "ttfts": ttfts})
+    profiles = {}
+    for work in (w for w in request["workloads"] if w["name"] in request.get("profile", ())):
+        import kernel_time  # beside this file: on sys.path when it runs as a script
+
+        _prepare(llm, request["warmup"], SamplingParams, TokensPrompt)
+        with kernel_time.recorded("cuda" if _on_cuda() else "cpu") as profiles[work["name"]]:
+            _generate(llm, work, SamplingParams, TokensPrompt)
     return {"ok": True, "version": vllm.__version__, "start": start, "kv": _kv_config(llm),
-            "check": checked, "results": results}
+            "check": checked, "results": results, "profiles": profiles}
 
 
 if __name__ == "__main__":

@@ -138,7 +138,7 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     out = tmp_path / "peers.json"
     result = bench_engine("--workload", "prefill", "--peers", "ponytail,vllm", "--check-tokens", "4",
                           "--vllm-pythonpath", str(stand_in), "--vllm-workdir", str(tmp_path / "vllm"),
-                          "--json", str(out))
+                          "--profile", "prefill", "--json", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
     for peer in ("ponytail", "vllm"):  # fp32 on the CPU: both give the reference's own tokens
@@ -151,6 +151,12 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     assert 0 < start["llm_to_ready_s"] <= start["llm_to_first_token_s"] <= start["process_to_first_token_s"]
     assert 0 < report["start"]["ponytail"]["llm_to_ready_s"] <= report["start"]["ponytail"]["llm_to_first_token_s"]
     assert "ponytail / vllm" in result.stdout and "LLM() to first token" in result.stdout
+    for peer in ("ponytail", "vllm"):  # --profile: each engine's run once more under torch.profiler
+        profile = report["profiles"][peer]["prefill"]
+        assert 0 < profile["kernel_s"] and profile["kernels"] > 0 and 0 < profile["wall_s"]
+        assert sum(profile["by_kind_s"].values()) == pytest.approx(profile["kernel_s"])
+        assert profile["top"][0]["name"].startswith("aten::")  # on the CPU, top-level aten ops stand in
+    assert "prefill: device time by kind of kernel" in result.stdout
     again = bench_engine("--workload", "decode", "--peers", "vllm", "--vllm-reuse", "--vllm-workdir",
                          str(tmp_path / "vllm"))  # results of other requests are not taken
     assert again.returncode == 1
@@ -179,3 +185,9 @@ def test_bench_engine_refuses_in_process_peers_in_the_side_by_side_mode():
     result = bench_engine("--workload", "mixed", "--peers", "plain,ponytail")
     assert result.returncode == 2
     assert "--peers plain / --capacity: only with --workload fixed" in result.stderr
+
+
+def test_bench_engine_refuses_to_profile_a_workload_it_does_not_run():
+    result = bench_engine("--workload", "mixed", "--peers", "ponytail", "--profile", "prefill")
+    assert result.returncode == 2
+    assert "--profile prefill: expected workloads of --workload (mixed)" in result.stderr
