@@ -13,6 +13,9 @@ gate/up, down) and the LM head, at each row count, this times:
   transposed_lt   the same with cuBLASLt
   triton          inductor's max-autotune Triton GEMM templates for this exact shape (slow to build:
                   off unless --methods names it)
+  skinny          ponytail's skinny GEMM kernel (kernels/skinny_gemm.py) on the column-major weight,
+                  at most 16 rows; skinny_s4_u2_c3 fixes its launch (splits 4, unroll 2, the
+                  split aimed at 3 CTAs per SM); each letter may be left out
 
 Each result is checked against float32 first (relative error < 1e-2), then timed as CUDA-graph
 replays (device time). A step's GEMM time = the layer's projections x layers + the LM head.
@@ -36,7 +39,7 @@ from timing import graph_ms, tbps
 
 from ponytail.runner.gemm_layout import blas_library
 
-METHODS = ("linear", "linear_lt", "transposed", "transposed_lt", "triton")
+METHODS = ("linear", "linear_lt", "transposed", "transposed_lt", "triton", "skinny")
 DEFAULT_METHODS = ("linear", "linear_lt", "transposed", "transposed_lt")
 MAX_REL_ERROR = 1e-2
 
@@ -57,8 +60,27 @@ def projections(hidden: int, intermediate: int, heads: int, kv_heads: int, head_
             Projection("lm_head", hidden, vocab, 1)]
 
 
+def skinny_fn(method: str, x: torch.Tensor, weight: torch.Tensor):
+    """The skinny kernel's callable (see the docstring's skinny_s4_u2_c3), or None where it cannot run."""
+    from ponytail.kernels import skinny_gemm
+
+    plan = {part[0]: int(part[1:]) for part in method.split("_")[1:]}
+    column_major = weight.t().contiguous().t()
+    skinny_gemm.prepare(x.device, weight.shape[0])
+    if skinny_gemm.unsupported(x, column_major) is not None:
+        return None
+    splits = plan.get("s")
+    if splits is None and "c" in plan:
+        sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
+        splits = skinny_gemm.plan_splits(weight.shape[0], weight.shape[1], sm_count, plan["c"])
+    return lambda: skinny_gemm.skinny_linear(x, column_major, splits=splits, unroll=plan.get("u"))
+
+
 def gemm_fn(method: str, x: torch.Tensor, weight: torch.Tensor):
-    """A zero-argument callable computing x @ weight.T the way `method` says, and its BLAS library."""
+    """A zero-argument callable computing x @ weight.T the way `method` says, and its BLAS library
+    (None instead of the callable where the method cannot take this product)."""
+    if method.startswith("skinny"):
+        return skinny_fn(method, x, weight), None
     if method in ("linear", "linear_lt"):
         return (lambda: F.linear(x, weight)), ("cublaslt" if method == "linear_lt" else None)
     if method in ("transposed", "transposed_lt"):
@@ -82,6 +104,8 @@ def measure(method: str, rows: int, proj: Projection, device, dtype, iters: int)
     weight /= proj.in_features ** 0.5
     expected = x.float() @ weight.float().t()
     fn, library = gemm_fn(method, x, weight)
+    if fn is None:
+        return None
     with blas_library(library):
         got = fn()
         error = ((got.float() - expected).norm() / expected.norm()).item()
@@ -120,7 +144,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if (m.split("_")[0] if m.startswith("skinny") else m) not in METHODS]
     if unknown:
         parser.error(f"--methods {','.join(unknown)}: not a method; choose from {', '.join(METHODS)}")
     try:
@@ -148,6 +172,9 @@ def main() -> int:
             line = [f"rows {rows:5d} {proj.name:8s} {proj.in_features:6d}x{proj.out_features:<6d}"]
             for method in methods:
                 r = measure(method, rows, proj, device, dtype, iters)
+                if r is None:
+                    line.append(f"{method} -")
+                    continue
                 results.append(r)
                 line.append(f"{method} {r['ms'] * 1e3:8.1f} us {r['weight_tbps']:5.2f} TB/s {r['tflops']:6.1f} TF")
             print("  |  ".join(line), flush=True)
@@ -156,7 +183,7 @@ def main() -> int:
         base = totals.get(("linear", rows))
         print(f"rows {rows}: one forward pass's GEMMs: " + ", ".join(
             f"{m} {totals[(m, rows)]:.3f} ms" + (f" ({base / totals[(m, rows)]:.3f}x)" if base else "")
-            for m in methods))
+            for m in methods if (m, rows) in totals))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"projections": [asdict(p) for p in projs], "results": results,

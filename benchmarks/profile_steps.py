@@ -34,12 +34,13 @@ BATCH_BUCKETS = (8, 32, 128, 512, 1 << 30)
 
 
 class Timeline:
-    """What each forward pass the runner launches holds, and when it is launched: with async
-    scheduling a launch waits for the step before it to be read back, so the time from one
-    launch to the next is a step's duration on the device (or the host's, when that is longer)."""
+    """What each forward pass the runner launches holds, and how long it runs. With async
+    scheduling a launch waits for the step before the previous one to be read back, so the time
+    from launch k + 1 to launch k + 2 is step k's duration on the device (or the host's, when that
+    is longer); without it, the time from launch k to k + 1 is."""
 
-    def __init__(self, runner):
-        self.runner, self.execute = runner, runner.execute
+    def __init__(self, runner, async_scheduling: bool):
+        self.runner, self.execute, self.lag = runner, runner.execute, int(async_scheduling)
         self.launches: list[tuple[float, int, int]] = []  # (time, decode rows, prompt tokens)
         runner.execute = self._execute
 
@@ -53,15 +54,18 @@ class Timeline:
         """Seconds and steps by kind: steps with prompt tokens, then decode-only steps by rows."""
         del self.runner.execute  # the instance attribute: the class's method again
         times = [t for t, _, _ in self.launches] + [end]
+        spans = [after - t for t, after in zip(times, times[1:])]
+        if self.lag and spans:  # the first span is host work alone: it goes to the first step
+            spans = [spans[0] + spans[1] if len(spans) > 1 else spans[0]] + spans[2:] + [0.0]
         kinds: dict[str, list[float]] = {}
-        for (t, decode, prompt), after in zip(self.launches, times[1:]):
+        for (_, decode, prompt), span in zip(self.launches, spans):
             if prompt:
                 kind = "with prompt tokens"
             else:
                 kind = f"decode, <= {next(b for b in BATCH_BUCKETS if decode <= b)} rows".replace(f"{1 << 30}", "any")
             entry = kinds.setdefault(kind, [0, 0.0, 0, 0])
             entry[0] += 1
-            entry[1] += after - t
+            entry[1] += span
             entry[2] += decode
             entry[3] += prompt
         return {kind: {"steps": n, "seconds": s, "decode_rows": d, "prompt_tokens": p}
@@ -72,7 +76,7 @@ def step_loop(llm, work, profile_steps: int = 0) -> dict:
     """Every request added at once, then engine.step() until done; the first profile_steps steps
     under cProfile. The result's "timeline" splits the time by kind of step (Timeline)."""
     engine = llm.engine
-    timeline = Timeline(engine.runner)
+    timeline = Timeline(engine.runner, engine.async_scheduling)
     for prompt, n in zip(work.prompts, work.output_lens):
         engine.add_request(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     profiler = cProfile.Profile() if profile_steps else None
