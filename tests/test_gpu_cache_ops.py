@@ -98,6 +98,22 @@ def test_pointer_table_stays_put_while_the_pool_grows_and_shrinks():
     assert cache.storage.cupy_chunk_ptrs.data.ptr == table
 
 
+def test_growing_does_not_wait_for_the_work_queued_before_it():
+    """The engine grows the pool while a step runs (async scheduling): a grow that waited for the
+    device would leave it idle while the host builds the next step."""
+    config = CacheConfig(num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float16, max_batch_size=1,
+                         max_seq_len=64 * 16, chunk_blocks=16, device="cuda")
+    cache = PagedKVCache(config, initial_chunks=1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of device time queued on the current stream
+    assert cache.grow(2) == 2
+    still_running = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_running, "grow() waited for the queued work"
+    pointers = cache.storage.chunk_ptrs[:cache.num_chunks].tolist()  # the table's copy landed in order
+    assert pointers == [c.data_ptr() for c in cache.storage.chunks]
+
+
 def test_custom_kernel_is_chosen_and_logged(caplog, monkeypatch):
     import logging
 
