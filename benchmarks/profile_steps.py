@@ -29,8 +29,19 @@ import peer_workloads
 from peer_bench import sync
 
 
-# Decode-only steps are grouped by their rows (the batch), up to each bound.
-BATCH_BUCKETS = (8, 32, 128, 512, 1 << 30)
+# Decode-only steps are grouped by their rows (the batch): up to each bound, then above the last.
+BATCH_BUCKETS = (8, 32, 128, 512)
+
+
+def kind_of_step(decode: int, prompt: int) -> str:
+    if prompt:
+        return "with prompt tokens"
+    low = 1
+    for bound in BATCH_BUCKETS:
+        if decode <= bound:
+            return f"decode, {low}-{bound} rows"
+        low = bound + 1
+    return f"decode, {low}+ rows"
 
 
 class Timeline:
@@ -58,18 +69,14 @@ class Timeline:
         if self.lag and spans:  # the first span is host work alone: it goes to the first step
             spans = [spans[0] + spans[1] if len(spans) > 1 else spans[0]] + spans[2:] + [0.0]
         kinds: dict[str, list[float]] = {}
-        for (_, decode, prompt), span in zip(self.launches, spans):
-            if prompt:
-                kind = "with prompt tokens"
-            else:
-                kind = f"decode, <= {next(b for b in BATCH_BUCKETS if decode <= b)} rows".replace(f"{1 << 30}", "any")
-            entry = kinds.setdefault(kind, [0, 0.0, 0, 0])
+        for (_, decode, prompt), span in sorted(zip(self.launches, spans), key=lambda ls: (-ls[0][2], -ls[0][1])):
+            entry = kinds.setdefault(kind_of_step(decode, prompt), [0, 0.0, 0, 0])
             entry[0] += 1
             entry[1] += span
             entry[2] += decode
             entry[3] += prompt
         return {kind: {"steps": n, "seconds": s, "decode_rows": d, "prompt_tokens": p}
-                for kind, (n, s, d, p) in sorted(kinds.items())}
+                for kind, (n, s, d, p) in kinds.items()}  # prompt steps first, then by rows, most first
 
 
 def step_loop(llm, work, profile_steps: int = 0) -> dict:
