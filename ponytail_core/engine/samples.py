@@ -16,6 +16,7 @@ import torch
 
 from ..errors import ConfigError
 from ..sampling.grammar import RequestGrammar
+from ..utils.device import to_device
 from .request import CompletionOutput, Request, RequestMetrics, RequestOutput, RequestStatus, SampleGroup
 
 
@@ -75,7 +76,8 @@ def fork_samples(engine, requests: list[Request], logits: torch.Tensor) -> tuple
             children = _fork(engine, request)
             expanded.extend(children)
             rows.extend([row] * len(children))
-    return expanded, logits.index_select(0, torch.tensor(rows, device=logits.device))
+    # Pinned and queued (to_device): a pageable copy would make torch wait for the steps in flight.
+    return expanded, logits.index_select(0, to_device(torch.tensor(rows), logits.device))
 
 
 def _fork(engine, parent: Request) -> list[Request]:

@@ -370,9 +370,11 @@ class PagedKVCache:
             self.grow(cdiv(needed - empty, self.chunk_blocks))
 
     def _slot_tensor(self, slots) -> torch.Tensor:
-        if isinstance(slots, torch.Tensor):
-            return slots.to(device=self.storage.device, dtype=torch.int64)
-        return to_device(torch.tensor(slots, dtype=torch.int64), self.storage.device)
+        if isinstance(slots, torch.Tensor) and slots.device == self.storage.device:
+            return slots.to(dtype=torch.int64)
+        is_tensor = isinstance(slots, torch.Tensor)
+        host = slots.to(dtype=torch.int64) if is_tensor else torch.tensor(slots, dtype=torch.int64)
+        return to_device(host, self.storage.device)  # pinned and queued: no wait for the steps in flight
 
     def __repr__(self) -> str:
         c, s = self.config, self.stats()
