@@ -161,6 +161,25 @@ def test_probe_step_host_times_decode_and_mixed_steps_of_compiled_thin_layers(tm
     assert refused.returncode == 2 and "--rows 0 and --steps 60: at least 1 and 3" in refused.stderr
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_probe_step_syncs_says_it_needs_cuda():
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_step_syncs.py"), "--model", "x"],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "probe_step_syncs.py needs a CUDA device: the host waits it looks for are CUDA stream syncs" in result.stderr
+
+
+def test_probe_step_syncs_names_the_innermost_ponytail_frame():
+    import traceback
+
+    probe = benchmark_module("probe_step_syncs")
+    frames = [traceback.FrameSummary("/x/site-packages/ponytail/engine/llm_engine.py", 229, "step"),
+              traceback.FrameSummary("/repo/ponytail_core/kv/storage.py", 91, "_refresh_views"),
+              traceback.FrameSummary("/x/site-packages/torch/cuda/__init__.py", 10, "synchronize")]
+    assert probe.ponytail_site(frames) == "ponytail/kv/storage.py:91 _refresh_views"
+    assert probe.ponytail_site(frames[2:]) == "outside ponytail"
+
+
 def test_profile_engine_small_accounts_for_the_step(tmp_path):
     out = tmp_path / "profile.json"
     run_script("profile_engine.py", "--small", "--json", str(out))
