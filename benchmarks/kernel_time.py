@@ -66,18 +66,24 @@ def _kernels(prof, cuda: bool):
         yield event.name, (event.device_time if cuda else event.cpu_time)
 
 
+def per_kernel(prof, cuda: bool) -> dict[str, list]:
+    """[seconds, calls] of each kernel (on the CPU: top-level aten op) by name."""
+    totals: dict[str, list] = defaultdict(lambda: [0.0, 0])
+    for name, us in _kernels(prof, cuda):
+        totals[name][0] += us / 1e6
+        totals[name][1] += 1
+    return totals
+
+
 def summarize(prof, cuda: bool, wall_s: float, top: int = 30) -> dict:
     """wall_s, kernel_s (summed kernel time), by_kind_s, and the `top` kernels by time
     ({name, calls, seconds}). kernel_s above wall_s means kernels overlapped (several streams)."""
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for name, us in _kernels(prof, cuda):
-        per_kernel[name][0] += us / 1e6
-        per_kernel[name][1] += 1
+    totals = per_kernel(prof, cuda)
     by_kind: dict[str, float] = defaultdict(float)
-    for name, (seconds, _) in per_kernel.items():
+    for name, (seconds, _) in totals.items():
         by_kind[kind_of(name)] += seconds
-    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1][0])
-    return {"wall_s": wall_s, "kernel_s": sum(s for s, _ in per_kernel.values()),
-            "kernels": sum(int(n) for _, n in per_kernel.values()),
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {"wall_s": wall_s, "kernel_s": sum(s for s, _ in totals.values()),
+            "kernels": sum(int(n) for _, n in totals.values()),
             "by_kind_s": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "top": [{"name": name, "calls": int(n), "seconds": s} for name, (s, n) in ranked[:top]]}

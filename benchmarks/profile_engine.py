@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import ponytail
 from bench_engine import bench_model, prompts, sync  # benchmarks/ is on sys.path when run as a script
+import kernel_time
 from kernel_time import kind_of
 from ponytail import SamplingParams
 
@@ -122,15 +123,8 @@ def main() -> int:
         wall_ms, steps, prof, summary = measure_prefill(engine, args, vocab, device, activities)
     else:
         wall_ms, steps, prof, summary = measure_decode(engine, args, vocab, output_len, device, activities)
-    per_kernel: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if device.type == "cuda" and event.device_type.name != "CUDA":
-            continue
-        if device.type == "cpu" and (event.cpu_parent is not None or not event.name.startswith("aten::")):
-            continue  # on the CPU: top-level aten ops stand in for kernels
-        time_us = event.device_time if device.type == "cuda" else event.cpu_time
-        per_kernel[event.name][0] += time_us
-        per_kernel[event.name][1] += 1
+    # microseconds and calls per kernel; on the CPU top-level aten ops stand in for kernels
+    per_kernel = {name: [s * 1e6, n] for name, (s, n) in kernel_time.per_kernel(prof, device.type == "cuda").items()}
     device_ms = sum(t for t, _ in per_kernel.values()) / 1e3 / steps
     by_kind: dict[str, float] = defaultdict(float)
     for name, (t, _) in per_kernel.items():

@@ -28,7 +28,7 @@ TILE_N = 64  # output columns per CTA
 MAX_SPLITS = 8
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
-# Launch tunables (benchmarks/probe_skinny_gemm.py sweeps them): weight steps a warp loads ahead,
+# Launch tunables (probe_gemm.py's skinny_s*_u*_c* methods sweep them): weight steps a warp loads ahead,
 # and the CTAs per SM the split along K aims the grid at.
 LAUNCH = {"unroll": 2, "ctas_per_sm": 2}  # unroll 2 measured 3-4% faster than 4 (H200)
 

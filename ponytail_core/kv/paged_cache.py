@@ -370,11 +370,10 @@ class PagedKVCache:
             self.grow(cdiv(needed - empty, self.chunk_blocks))
 
     def _slot_tensor(self, slots) -> torch.Tensor:
-        if isinstance(slots, torch.Tensor) and slots.device == self.storage.device:
-            return slots.to(dtype=torch.int64)
-        is_tensor = isinstance(slots, torch.Tensor)
-        host = slots.to(dtype=torch.int64) if is_tensor else torch.tensor(slots, dtype=torch.int64)
-        return to_device(host, self.storage.device)  # pinned and queued: no wait for the steps in flight
+        slots = (slots if isinstance(slots, torch.Tensor) else torch.tensor(slots)).to(dtype=torch.int64)
+        if slots.device == self.storage.device:
+            return slots
+        return to_device(slots, self.storage.device)  # pinned and queued: no wait for the steps in flight
 
     def __repr__(self) -> str:
         c, s = self.config, self.stats()

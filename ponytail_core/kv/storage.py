@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..utils.device import to_device
 from .config import CacheConfig
 
 
@@ -87,12 +88,10 @@ class PagedKVStorage:
             self.ptr_table_version += 1
             self.cupy_chunk_ptrs = None
         padding = pointers[:1] * (len(self.chunk_ptrs) - len(pointers)) if pointers else [0] * len(self.chunk_ptrs)
-        # In place and stream-ordered: kernels queued earlier still read the old entries. From pinned
-        # memory, queued: a copy from pageable memory makes torch wait for every step in flight, and
-        # the pool grows while async scheduling keeps one step queued ahead (the device went idle).
-        host = torch.tensor(pointers + padding, dtype=torch.int64)
-        cuda = self.device.type == "cuda"
-        self.chunk_ptrs.copy_(host.pin_memory() if cuda else host, non_blocking=cuda)
+        # In place and stream-ordered: kernels queued earlier still read the old entries. Through
+        # to_device (pinned, queued): a copy from pageable memory makes torch wait for every step in
+        # flight, and the pool grows while async scheduling keeps one step queued ahead.
+        self.chunk_ptrs.copy_(to_device(torch.tensor(pointers + padding, dtype=torch.int64), self.device))
         self.cupy_views = []
         if self.device.type == "cuda" and self.chunks:
             try:
