@@ -168,15 +168,6 @@ def test_a_failed_call_leaves_the_cache_usable():
     assert torch.equal(generate(model, *prompts(2), cache), expected)
 
 
-def test_sliding_window_models_are_refused_beyond_the_window():
-    torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(**SMALL, sliding_window=32)).eval()
-    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64)
-    with pytest.raises(ConfigError, match=r"sliding-window attention \(window 32\).*max_seq_len=64 must be <= 32"):
-        generate(model, *prompts(2), cache)
-    assert cache.stats().used_blocks == 0
-
-
 @pytest.mark.parametrize("name, words", [("gemma2", "softcapping"), ("gpt_oss", "attention sinks")])
 def test_softcapping_and_attention_sinks_are_refused_not_ignored(name, words):
     """Both change the softmax; answering without them would be garbage that looks like text."""

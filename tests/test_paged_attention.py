@@ -68,8 +68,9 @@ class Batch:
         return self.cache.storage
 
 
-def naive_attention(batch: Batch, layer, query, query_lens, scale) -> torch.Tensor:
-    """One row and one query position at a time, fp64, explicit softmax."""
+def naive_attention(batch: Batch, layer, query, query_lens, scale, window=None) -> torch.Tensor:
+    """One row and one query position at a time, fp64, explicit softmax; window: the last that many
+    positions up to the query's own."""
     rows, heads, positions, head_dim = query.shape
     kv_heads = batch.keys[0].shape[2] if batch.keys else 1
     group = heads // kv_heads
@@ -84,10 +85,11 @@ def naive_attention(batch: Batch, layer, query, query_lens, scale) -> torch.Tens
             if pos < 0:
                 continue
             q = query[b, :, j].double().cpu()  # [Hq, D]
-            scores = torch.einsum("lhd,hd->hl", keys[: pos + 1], q) * scale
+            seen = slice(0 if window is None else max(0, pos + 1 - window), pos + 1)
+            scores = torch.einsum("lhd,hd->hl", keys[seen], q) * scale
             weights = torch.exp(scores - scores.max(dim=1, keepdim=True).values)
             weights = weights / weights.sum(dim=1, keepdim=True)
-            out[b, :, j] = torch.einsum("hl,lhd->hd", weights, values[: pos + 1])
+            out[b, :, j] = torch.einsum("hl,lhd->hd", weights, values[seen])
     return out
 
 
@@ -98,15 +100,15 @@ def rel_error(out, ref) -> float:
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-def check(batch: Batch, heads, positions, query_lens=None, layer=1, dtype=torch.float32, seed=1):
+def check(batch: Batch, heads, positions, query_lens=None, layer=1, dtype=torch.float32, seed=1, window=None):
     gen = torch.Generator().manual_seed(seed)
     head_dim = batch.cache.config.head_dim
     query = torch.randn(len(batch.lengths), heads, positions, head_dim, generator=gen).to(dtype)
     scale = 1 / math.sqrt(head_dim)
     with kernels("torch"):
         out = paged_attention(batch.storage, layer, query, batch.block_tables, batch.seq_lens,
-                              query_lens, scale)
-    ref = naive_attention(batch, layer, query, query_lens, scale)
+                              query_lens, scale, sliding_window=window)
+    ref = naive_attention(batch, layer, query, query_lens, scale, window)
     assert out.shape == query.shape and out.dtype == dtype
     err = rel_error(out, ref)
     assert err < TOLERANCE[dtype], f"relative error {err:.2e} (shape {tuple(query.shape)})"
@@ -134,6 +136,31 @@ def test_long_rows_across_many_chunks(dtype):
 def test_prefill_with_context_is_causal(positions):
     batch = Batch([40, 57, 100, 45], kv_heads=2, head_dim=64, block_size=8, seed=positions)
     check(batch, heads=8, positions=positions)
+
+
+@pytest.mark.parametrize("window", [1, 5, 8, 33, 1000])
+@pytest.mark.parametrize("positions", [1, 7])
+def test_a_sliding_window_sees_the_last_window_positions_with_left_padding(window, positions):
+    batch = Batch([9, 30, 64, 5], kv_heads=2, head_dim=64, block_size=4, seed=window)
+    query_lens = torch.tensor([3, 7, 1, 0], dtype=torch.int32) if positions > 1 else None
+    check(batch, heads=6, positions=positions, query_lens=query_lens, window=window)
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True, "64"])
+def test_a_sliding_window_must_be_a_positive_int(small, window):
+    with pytest.raises(KernelError, match=rf"sliding_window={window!r} must be None or a positive int"):
+        paged_attention(small.storage, 0, torch.randn(2, 4, 1, 64), small.block_tables, small.seq_lens, None,
+                        0.125, sliding_window=window)
+
+
+def test_the_cuda_kernels_refuse_a_sliding_window_rather_than_ignore_it(small, monkeypatch):
+    monkeypatch.setattr(kernel_loader, "choose", lambda device: kernel_loader.KernelChoice(True, "CuPy on cuda:0"))
+    with pytest.raises(KernelError, match="sliding_window=8 runs on the torch path only"):
+        paged_attention(small.storage, 0, torch.randn(2, 4, 1, 64), small.block_tables, small.seq_lens, None,
+                        0.125, sliding_window=8)
+    with pytest.raises(KernelError, match="sliding_window=8 runs on the torch path only"):
+        paged_attention_varlen(small.storage, 0, torch.randn(4, 4, 64), torch.tensor([0, 3, 4], dtype=torch.int32),
+                               3, small.block_tables, small.seq_lens, 0.125, sliding_window=8)
 
 
 def test_left_padding_gives_zeros_and_real_positions_match():

@@ -24,7 +24,8 @@ from cache_machine import kernels
 from test_paged_attention import TOLERANCE, Batch, naive_attention, rel_error
 
 
-def packed_reference(batch: Batch, query: torch.Tensor, counts: list[int], scale: float) -> torch.Tensor:
+def packed_reference(batch: Batch, query: torch.Tensor, counts: list[int], scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Packed [N, Hq, D] queries -> the naive fp64 attention, packed the same way."""
     outs = []
     start = 0
@@ -32,12 +33,12 @@ def packed_reference(batch: Batch, query: torch.Tensor, counts: list[int], scale
         q = query[start : start + count].transpose(0, 1)[None]  # [1, Hq, count, D]
         one = Batch.__new__(Batch)
         one.lengths, one.keys, one.values = [batch.lengths[b]], [batch.keys[b]], [batch.values[b]]
-        outs.append(naive_attention(one, 1, q, None, scale)[0].transpose(0, 1))
+        outs.append(naive_attention(one, 1, q, None, scale, window)[0].transpose(0, 1))
         start += count
     return torch.cat(outs)
 
 
-def run_varlen(batch: Batch, counts: list[int], heads: int, seed: int = 3):
+def run_varlen(batch: Batch, counts: list[int], heads: int, seed: int = 3, window: int | None = None):
     head_dim = batch.cache.config.head_dim
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(sum(counts), heads, head_dim, generator=gen)
@@ -45,8 +46,8 @@ def run_varlen(batch: Batch, counts: list[int], heads: int, seed: int = 3):
     scale = 1 / math.sqrt(head_dim)
     with kernels("torch"):
         out = paged_attention_varlen(batch.storage, 1, query, cu, max(max(counts), 1), batch.block_tables,
-                                     batch.seq_lens, scale)
-    return out, packed_reference(batch, query, counts, scale)
+                                     batch.seq_lens, scale, sliding_window=window)
+    return out, packed_reference(batch, query, counts, scale, window)
 
 
 def test_mixed_step_matches_fp64():
@@ -74,6 +75,35 @@ def test_random_mixed_steps_match_fp64(rows, kv_heads, group, block_size, seed):
     batch = Batch(lengths, kv_heads=kv_heads, head_dim=64, block_size=block_size, chunk_blocks=3, seed=seed)
     out, ref = run_varlen(batch, counts, heads=kv_heads * group, seed=seed)
     assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.lists(st.tuples(st.integers(1, 120), st.integers(0, 3)), min_size=1, max_size=7),
+       window=st.integers(1, 130), block_size=st.sampled_from([4, 16]), seed=st.integers(0, 1000))
+def test_random_mixed_steps_in_a_sliding_window_match_fp64(rows, window, block_size, seed):
+    """Windows narrower and wider than the rows, ending mid-block and on a block's edge: each
+    query sees exactly the last `window` positions up to its own."""
+    rng = random.Random(seed)
+    lengths = [n for n, _ in rows]
+    counts = [[1, rng.randint(1, n), n, 0][kind] for n, kind in rows]
+    if not any(counts):
+        counts[0] = 1
+    batch = Batch(lengths, kv_heads=2, head_dim=64, block_size=block_size, chunk_blocks=3, seed=seed)
+    out, ref = run_varlen(batch, counts, heads=6, seed=seed, window=window)
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+
+
+def test_a_sliding_window_gathers_only_the_blocks_its_queries_see():
+    batch = Batch([200, 37, 64], kv_heads=1, head_dim=64, block_size=16, seed=5)
+    tables = [batch.cache.block_table(r) for r in range(3)]
+    whole = plan_torch_attention(batch.storage, [1, 37, 10], [200, 37, 64], tables)
+    narrow = plan_torch_attention(batch.storage, [1, 37, 10], [200, 37, 64], tables, window=20)
+    # decode row: positions 180..199 -> blocks 11, 12 (2 of 13, which pad to 16 without a window);
+    # the 37-token chunk starts its sequence: all 3 blocks; the 10-token chunk's first query
+    # (position 54) sees 35..54 -> blocks 2, 3.
+    assert (whole.num_blocks, narrow.num_blocks) == (16 + 3 + 4, 2 + 3 + 2)
+    assert narrow.decode[0].mask.sum().item() == 20
+    assert narrow.chunks[1].mask.shape == (10, 64 - 32) and narrow.chunks[1].mask.sum(dim=1).tolist() == [20] * 10
 
 
 def test_decode_widths_depend_on_the_row_alone_and_waste_at_most_a_third():

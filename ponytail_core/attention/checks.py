@@ -81,3 +81,17 @@ def check_values(storage, block_tables, seq_lens, query_lens, positions) -> None
             raise KernelError(f"block_tables[{b}] holds block ids {bad[:8].tolist()} outside the pool's "
                               f"{storage.num_blocks} blocks within its first {n} tokens")
 
+
+
+def check_window(window) -> None:
+    """A sliding window is None (every position up to the query's own) or a positive int."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise KernelError(f"sliding_window={window!r} must be None or a positive int (the positions a query "
+                          "attends, its own included)")
+
+
+def refuse_window_on_kernels(window: int | None) -> None:
+    """The CUDA kernels attend whole rows; a window there would be silently ignored."""
+    if window is not None:
+        raise KernelError(f"sliding_window={window} runs on the torch path only (the CPU, or "
+                          "PONYTAIL_KERNELS=torch): the CUDA kernels do not implement sliding windows yet")

@@ -19,6 +19,9 @@ seq_lens[b] == 0 and positions that would sit before position 0 produce zeros.
 `paged_attention_varlen` takes the engine's packed layout: rows' query tokens end to end, with
 cumulative lengths, and the same semantics per row.
 
+`sliding_window=W` narrows what a query attends to the last W positions up to its own (cache
+positions > p - W), on the torch paths; the CUDA kernels raise rather than ignore it.
+
 Lengths and block ids are checked against the cache when they are CPU tensors; on CUDA that
 would cost a host sync per call, so there the kernels clamp instead (never reading outside the
 pool or the table) and bad values give wrong numbers, not a crash.
@@ -31,7 +34,7 @@ import torch
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
 from ..kv.storage import PagedKVStorage
-from .checks import check_args, check_query, check_rows, check_values
+from .checks import check_args, check_query, check_rows, check_values, check_window, refuse_window_on_kernels
 from .decode import decode_choice, decode_cupy
 from .flash import flash_varlen_problem
 from .prefill_cupy import flash_over_cache, prefill_flash_padded, prefill_sdpa
@@ -40,15 +43,18 @@ from .torch_varlen import attention_torch_planned, plan_torch_attention
 
 
 def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
-                    seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float,
+                    sliding_window: int | None = None) -> torch.Tensor:
     """Attention of `query` [B, Hq, T, D] over layer `layer` of the cache; returns [B, Hq, T, D].
 
     block_tables [B, max_blocks] int32 lists each row's block ids in order (entries past the
     row's blocks are ignored); seq_lens [B] int32 counts the row's tokens in the cache, new ones
     included; query_lens [B] int32 or None counts its real (right-aligned) query positions.
     Query heads h use KV head h // (Hq // kv_heads). See the module docstring for the semantics.
+    sliding_window: each query attends only the last that many positions up to its own (torch path).
     """
     check_args(storage, layer, query, block_tables, seq_lens, query_lens, scale)
+    check_window(sliding_window)
     batch, _, positions, head_dim = query.shape
     choice = kernel_loader.choose(storage.device)
     op = "paged_attention decode" if positions == 1 else "paged_attention prefill"
@@ -64,7 +70,9 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     if batch == 0:
         return torch.empty_like(query)
     if not choice.use_custom:
-        return attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+        return attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, float(scale),
+                               sliding_window)
+    refuse_window_on_kernels(sliding_window)
     if positions == 1:
         return decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
     if flash:
@@ -75,7 +83,7 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
                            max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, varlen: str = "flash", num_keys: int = 0,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
 
     Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
@@ -84,8 +92,9 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention); num_keys: sum(seq_lens)
     where the caller knows it on the host (sizes the gather exactly; 0: not given). out: a contiguous
     [N, Hq, D] tensor the result is written into and returned (the flash kernels write there; the
-    other paths copy).
+    other paths copy). sliding_window as for `paged_attention`.
     """
+    check_window(sliding_window)
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         shape = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise KernelError(f"query must be [tokens, query heads, head_dim], got {shape}")
@@ -106,6 +115,8 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     if query.shape[0] == 0:
         return torch.empty_like(query) if out is None else out
     choice = kernel_loader.choose(storage.device)
+    if choice.use_custom:
+        refuse_window_on_kernels(sliding_window)
     problem = flash_varlen_problem(storage) if choice.use_custom else choice.reason
     if problem is None:
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
@@ -114,11 +125,13 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
                                  kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),
                                 varlen, num_keys, out=out)
-    result = _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice)
+    result = _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice,
+                               sliding_window)
     return result if out is None else out.copy_(result)
 
 
-def _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice):
+def _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice,
+                      window):
     """paged_attention_varlen where flash varlen cannot run: the torch path, or CuPy's padded one."""
     batch = block_tables.shape[0]
     if not choice.use_custom:  # the torch path, unpadded: work grows with each row's tokens x its context
@@ -128,7 +141,7 @@ def _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tabl
         if seq_lens.device.type == "cpu":
             check_values(storage, block_tables, seq_lens, counts, max_query_len)
         kernel_loader.log_choice("paged_attention varlen", choice)
-        plan = plan_torch_attention(storage, counts.tolist(), seq_lens.tolist(), block_tables.tolist())
+        plan = plan_torch_attention(storage, counts.tolist(), seq_lens.tolist(), block_tables.tolist(), window)
         return attention_torch_planned(storage, layer, query, plan, float(scale))
     # CuPy without flash varlen: the padded entry point (its checks, its gather, its logging).
     padded, row, col = _varlen_to_padded(query, cu_seq_q, max_query_len)

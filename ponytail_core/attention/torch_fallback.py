@@ -10,8 +10,11 @@ import torch
 from ..kv.storage import PagedKVStorage
 
 
-def allowed_keys(seq_lens, query_lens, positions: int, num_keys: int):
-    """allowed [B, T, L]: query position j may attend cache position l; has_key [B, T]: any l."""
+def allowed_keys(seq_lens, query_lens, positions: int, num_keys: int, window: int | None = None):
+    """allowed [B, T, L]: query position j may attend cache position l; has_key [B, T]: any l.
+
+    window: a sliding window of that many positions, the query's own included (transformers'
+    `kv > q - sliding_window`); None attends the whole row."""
     device = seq_lens.device
     j = torch.arange(positions, device=device)[None, :]
     pos = seq_lens.long()[:, None] - positions + j  # cache position of query position j
@@ -20,6 +23,8 @@ def allowed_keys(seq_lens, query_lens, positions: int, num_keys: int):
         is_real = is_real & (j >= positions - query_lens.long()[:, None])
     keys = torch.arange(num_keys, device=device)
     allowed = is_real[:, :, None] & (keys[None, None, :] <= pos[:, :, None])
+    if window is not None:
+        allowed &= keys[None, None, :] > pos[:, :, None] - window
     return allowed, is_real & (num_keys > 0)
 
 
@@ -44,11 +49,12 @@ def gather_torch(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor
     return kv[0], kv[1]
 
 
-def attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+def attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, scale,
+                    window: int | None = None) -> torch.Tensor:
     batch, heads, positions, head_dim = query.shape
     kv_heads = storage.config.num_kv_heads
     k, v = gather_torch(storage, layer, block_tables, seq_lens)
-    allowed, has_key = allowed_keys(seq_lens, query_lens, positions, k.shape[2])
+    allowed, has_key = allowed_keys(seq_lens, query_lens, positions, k.shape[2], window)
     q = query.float().reshape(batch, kv_heads, heads // kv_heads, positions, head_dim)
     scores = (q @ k.float()[:, :, None].transpose(-1, -2)) * scale  # [B, Hkv, G, T, L]
     scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))

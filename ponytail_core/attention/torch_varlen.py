@@ -8,7 +8,9 @@ times its context, never with rows x the longest row:
   * rows with one query token (decode) are batched: each is padded to a width its own length
     alone decides (`decode_width`: 1, 2, 3, 4, 6, 8, 12, ... blocks, at most a third wasted) and
     rows of one width share one SDPA with a key mask [rows, 1, 1, width]. A row's numbers then
-    never depend on which rows share its step (the sync and async engines agree bit for bit).
+    never depend on which rows share its step (the sync and async engines agree bit for bit);
+  * a sliding window (Mistral, Gemma 3's local layers) narrows both: a row gathers the blocks
+    from its first query's window start on, and its mask drops the keys each query cannot see.
 
 `plan_torch_attention` reads the lengths once on the host (a forward pass calls it once, every
 layer reuses the plan); `attention_torch_planned` runs one layer. `SlotWrites` does the same for
@@ -72,8 +74,11 @@ class TorchAttentionPlan:
 
 
 def plan_torch_attention(storage: PagedKVStorage, query_counts: list[int], seq_lens: list[int],
-                         tables: list[list[int]]) -> TorchAttentionPlan:
-    """The plan for rows with query_counts[b] new tokens among seq_lens[b] cached ones in tables[b]."""
+                         tables: list[list[int]], window: int | None = None) -> TorchAttentionPlan:
+    """The plan for rows with query_counts[b] new tokens among seq_lens[b] cached ones in tables[b].
+
+    window: a sliding window (each query sees the last `window` positions up to its own, as
+    transformers' sliding layers do); a row then gathers only the blocks its queries can see."""
     bs = storage.config.block_size
     device = storage.device
     starts = [0]
@@ -81,23 +86,29 @@ def plan_torch_attention(storage: PagedKVStorage, query_counts: list[int], seq_l
         starts.append(starts[-1] + count)
     ids: list[int] = []  # block ids in gathered order
     dead: list[int] = []
+    # Where each row's gathered keys start: its first query's window start, rounded down to a block.
+    first = [_first_block(n - count, window, bs) for count, n in zip(query_counts, seq_lens)]
     widths: dict[int, list[int]] = {}  # decode rows by padded width, in row order
     for b, count in enumerate(query_counts):
         if count == 1 and seq_lens[b] > 0:
-            widths.setdefault(decode_width(seq_lens[b], bs), []).append(b)
+            widths.setdefault(decode_width(seq_lens[b] - first[b] * bs, bs), []).append(b)
     decode: list[DecodeGroup] = []
     for width, members in sorted(widths.items()):
         key_start = len(ids) * bs
         for b in members:
-            blocks = tables[b][: -(-seq_lens[b] // bs)]
+            blocks = tables[b][first[b] : -(-seq_lens[b] // bs)]
             row_start = len(ids) * bs
             ids.extend(blocks + [blocks[0]] * (width // bs - len(blocks)))  # any block the row owns: masked
-            dead.extend(range(row_start + seq_lens[b], row_start + width))
-        lens = torch.tensor([seq_lens[b] for b in members])
+            dead.extend(range(row_start + seq_lens[b] - first[b] * bs, row_start + width))
+        lens = torch.tensor([seq_lens[b] - first[b] * bs for b in members])
         # Always a mask, even when every row fills the width: SDPA rounds differently without one,
         # and a row's result must not depend on its neighbours.
-        mask = (torch.arange(width)[None, :] < lens[:, None]).view(len(members), 1, 1, width).to(device)
-        decode.append(DecodeGroup(torch.tensor([starts[b] for b in members], device=device), key_start, width, mask))
+        keys = torch.arange(width)[None, :]
+        mask = keys < lens[:, None]
+        if window is not None:
+            mask &= keys >= lens[:, None] - window
+        decode.append(DecodeGroup(torch.tensor([starts[b] for b in members], device=device), key_start, width,
+                                  mask.view(len(members), 1, 1, width).to(device)))
     chunks: list[ChunkRow] = []
     empty: list[int] = []
     for b, count in enumerate(query_counts):
@@ -108,15 +119,33 @@ def plan_torch_attention(storage: PagedKVStorage, query_counts: list[int], seq_l
             empty.extend(range(starts[b], starts[b] + count))
             continue
         key_start = len(ids) * bs
-        ids.extend(tables[b][: -(-n // bs)])
-        mask = None
-        if count != n:  # query i sits at cache position n - count + i and sees keys up to it
-            mask = torch.ones((count, n), dtype=torch.bool, device=device).tril_(n - count)
-        chunks.append(ChunkRow(starts[b], count, key_start, n, mask))
+        ids.extend(tables[b][first[b] : -(-n // bs)])
+        offset = first[b] * bs
+        chunks.append(ChunkRow(starts[b], count, key_start, n - offset, _chunk_mask(count, n, offset, window, device)))
     return TorchAttentionPlan(gathers=_gathers(storage, ids), num_blocks=len(ids),
                               dead=torch.tensor(dead, device=device) if dead else None, decode=decode,
                               chunks=chunks, empty=torch.tensor(empty, device=device) if empty else None,
                               num_tokens=starts[-1])
+
+
+def _first_block(first_query: int, window: int | None, block_size: int) -> int:
+    """The first block a row's queries can see: 0, or where the first query's window starts."""
+    if window is None:
+        return 0
+    return max(0, first_query - window + 1) // block_size
+
+
+def _chunk_mask(count: int, n: int, offset: int, window: int | None, device) -> torch.Tensor | None:
+    """[count, n - offset] bool: the row's last `count` queries against its keys from cache position
+    `offset` on; None where plain causal attention over all n keys is the answer."""
+    if window is None or window >= n:
+        if count == n:
+            return None
+        # query i sits at cache position n - count + i and sees keys up to it
+        return torch.ones((count, n), dtype=torch.bool, device=device).tril_(n - count)
+    queries = torch.arange(n - count, n, device=device)[:, None]
+    keys = torch.arange(offset, n, device=device)[None, :]
+    return (keys <= queries) & (keys > queries - window)
 
 
 def _gathers(storage: PagedKVStorage, ids: list[int]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

@@ -69,12 +69,13 @@ class PonytailCache(PagedCacheBase):
             self.check_model(module, query, key, sliding_window)
             self.begin_step(batch, query_len, attention_mask)
         step = self.step
+        window = self.window(sliding_window)
         self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         if step.has_context:
             out = paged_attention(self.paged.storage, layer_idx, query, step.block_tables, step.seq_lens,
-                                  step.query_lens, scale)
+                                  step.query_lens, scale, sliding_window=window)
         else:  # first chunk: the new tokens are the whole context, no need to read the blocks back
-            out = attention_without_context(query, key, value, step.new_valid, scale)
+            out = attention_without_context(query, key, value, step.new_valid, scale, window)
         self.end_layer(layer_idx)
         return out.transpose(1, 2).contiguous()
 
@@ -134,13 +135,19 @@ class PonytailCache(PagedCacheBase):
             self.reset()
 
 
-def attention_without_context(query, key, value, new_valid, scale) -> torch.Tensor:
-    """Causal attention of a first chunk over itself, [B, Hq, T, D]; padding rows come out zero."""
+def attention_without_context(query, key, value, new_valid, scale, window: int | None = None) -> torch.Tensor:
+    """Causal attention of a first chunk over itself, [B, Hq, T, D]; padding rows come out zero.
+    window: each query sees only the last that many positions up to its own."""
     gqa = query.shape[1] != key.shape[1]
-    if new_valid is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
     t = query.shape[2]
+    narrowed = window is not None and window < t
+    if new_valid is None and not narrowed:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale, enable_gqa=gqa)
     causal = torch.ones(t, t, dtype=torch.bool, device=query.device).tril()
+    if narrowed:
+        causal.triu_(1 - window)  # key j > query i - window (left padding shifts both alike)
+    if new_valid is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=causal, scale=scale, enable_gqa=gqa)
     mask = causal & new_valid[:, None, None, :]
     # A padding query sees no real key; let it see itself so softmax stays finite, then zero it.
     mask |= torch.eye(t, dtype=torch.bool, device=query.device)

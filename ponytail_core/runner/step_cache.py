@@ -68,15 +68,18 @@ class PackedStepCache(PagedCacheBase):
         super().__init__(paged)
         self.prefill_varlen = prefill_varlen
         self.step: PackedStep | None = None
-        self._plan: TorchAttentionPlan | None = None  # the torch path's plan for `step`, built at layer 0
-        self._writes: SlotWrites | None = None  # ... and where its new K/V go
+        # The torch path's plans for `step` by sliding window (None: whole rows), built at the first
+        # layer that needs each, and where the step's new K/V go.
+        self._plans: dict[int | None, TorchAttentionPlan] = {}
+        self._writes: SlotWrites | None = None
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         step = self.step
         if layer_idx == 0:
             self.check_model(module, query, key, sliding_window)
-            self._plan = self._torch_plan(step)
-            self._writes = None if self._plan is None else SlotWrites(self.paged.storage, step.slot_mapping)
+            self._plans = {}
+            self._writes = SlotWrites(self.paged.storage, step.slot_mapping) if self._torch_path else None
+        window = self.window(sliding_window)
         if self._writes is not None:
             self._writes.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
         else:
@@ -85,13 +88,14 @@ class PackedStepCache(PagedCacheBase):
         storage = self.paged.storage
         chunks = step.prefill
         self._awaiting_attention = None
-        if self._plan is not None and (chunks is None or chunks.runs is None):  # torch path, every row at once
-            return attention_torch_planned(storage, layer_idx, q_tok, self._plan, scale).unsqueeze(0)
+        if self._torch_path and (chunks is None or chunks.runs is None or window is not None):
+            # every row at once (a window takes the chunks that start their sequence too)
+            return attention_torch_planned(storage, layer_idx, q_tok, self._plan(window), scale).unsqueeze(0)
         decode_out = None
         if step.decode is not None:
             rows = step.decode.rows
-            if self._plan is not None:
-                decode_out = attention_torch_planned(storage, layer_idx, q_tok[:rows], self._plan, scale)
+            if self._torch_path:
+                decode_out = attention_torch_planned(storage, layer_idx, q_tok[:rows], self._plan(None), scale)
             else:
                 q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
                 decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables,
@@ -116,13 +120,13 @@ class PackedStepCache(PagedCacheBase):
         out[:s] = decode_out
         return out.unsqueeze(0)  # [1, N, Hq, D]
 
-    def _torch_plan(self, step: PackedStep) -> TorchAttentionPlan | None:
-        """On the torch path (the CPU), one plan for the step's rows that read the blocks: the decode
-        rows, and the prefill chunks unless none has context (those attend their own K/V).
-        None on the kernel paths."""
-        storage = self.paged.storage
-        if kernel_loader.choose(storage.device).use_custom:
-            return None
+    def _plan(self, window: int | None) -> TorchAttentionPlan:
+        """The torch path's plan for this step's rows that read the blocks: the decode rows, and the
+        prefill chunks unless none has context and no window narrows them (those attend their own K/V)."""
+        plan = self._plans.get(window)
+        if plan is not None:
+            return plan
+        step = self.step
         counts: list[int] = []
         lengths: list[int] = []
         tables: list[list[int]] = []
@@ -131,11 +135,12 @@ class PackedStepCache(PagedCacheBase):
             lengths += step.decode.seq_lens.tolist()
             tables += step.decode.block_tables.tolist()
         chunks = step.prefill
-        if chunks is not None and chunks.runs is None:
+        if chunks is not None and (chunks.runs is None or window is not None):
             cu = chunks.cu_seq_q.tolist()
             counts += [b - a for a, b in zip(cu, cu[1:])]
             lengths += chunks.seq_lens.tolist()
             tables += chunks.block_tables.tolist()
         kernel_loader.log_choice("paged attention of an engine step",
                                  kernel_loader.KernelChoice(False, "torch, unpadded (torch_varlen.py)"))
-        return plan_torch_attention(storage, counts, lengths, tables)
+        plan = self._plans[window] = plan_torch_attention(self.paged.storage, counts, lengths, tables, window)
+        return plan

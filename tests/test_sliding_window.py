@@ -1,0 +1,124 @@
+"""Sliding-window models (Mistral, Gemma 3's local layers, Qwen 2 with use_sliding_window) past
+their window, on the torch path: the plug-in's generate and the engine equal plain transformers
+generate token for token (CPU, fp32); the CUDA kernels, which attend whole rows, refuse them."""
+
+import random
+
+import pytest
+import torch
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+import ponytail
+from ponytail import ConfigError, SamplingParams
+from ponytail.kernels import loader as kernel_loader
+
+WINDOW = 16
+SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+             max_position_embeddings=512)
+MODELS = {
+    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=WINDOW)),
+    # local, global, local: the global layer reads the whole row between two windowed ones
+    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+        **SMALL, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    # the first layer whole, the later ones windowed: layer 0 alone would not show the window
+    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, num_hidden_layers=3, use_sliding_window=True,
+                                                  sliding_window=WINDOW, max_window_layers=1)),
+}
+
+
+def make_model(name):
+    torch.manual_seed(0)
+    model = MODELS[name]().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # no greedy near-ties on random weights (untied in every model here)
+    return model
+
+
+def without_window(model):
+    """The same weights attending whole rows: the window moved past every length used here."""
+    model.config.sliding_window = 10**6
+    for layer in model.model.layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = 10**6
+    return model
+
+
+def plain_generate(model, ids, mask, new):
+    model.set_attn_implementation("eager")
+    return model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+
+
+def left_padded(lengths, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.zeros(len(lengths), width, dtype=torch.long)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        ids[row, width - n:] = torch.randint(1, 128, (n,), generator=gen)
+        mask[row, width - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_plugin_generate_past_the_window_equals_plain_generate(name):
+    ids, mask = left_padded([40, 5, 23, 2])  # prompts longer and shorter than the window, left padded
+    expected = plain_generate(make_model(name), ids, mask, new=30)
+    assert not torch.equal(plain_generate(without_window(make_model(name)), ids, mask, new=30), expected), \
+        "the window changes nothing on these prompts: the test would not see it ignored"
+    model = make_model(name)
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=96, block_size=4)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                         pad_token_id=0, cache=cache)
+    assert torch.equal(got, expected), f"{name}: {got[:, ids.shape[1]:]} != {expected[:, ids.shape[1]:]}"
+
+
+def engine_prompts():
+    rng = random.Random(0)
+    return [[rng.randrange(1, 128) for _ in range(n)] for n in (80, 3, 90, 17, 16, 33, 61, 8)]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 32, "max_num_seqs": 8},
+                                      {"async_scheduling": True}], ids=["defaults", "chunked", "async"])
+def test_engine_past_the_window_equals_plain_generate(name, settings):
+    """Decode rows, chunks that start their sequence, chunks with context (a 32-token budget splits
+    the prompts) and a prefix hit, each against the window."""
+    prompts = engine_prompts()
+    follow_up = prompts[0][:40] + [5, 6, 7]  # after the first batch: 40 tokens from the prefix cache
+    reference = make_model(name)
+    expected = [plain_generate(reference, torch.tensor([p]), torch.ones(1, len(p), dtype=torch.long),
+                               new=30)[0, len(p):].tolist() for p in prompts + [follow_up]]
+    llm = ponytail.LLM(make_model(name), kv_cache_memory="4MiB", max_model_len=256, block_size=4, **settings)
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    outputs = llm.generate(prompts, greedy) + llm.generate([follow_up], greedy)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    assert outputs[-1].num_cached_tokens == 40
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    """Attention as it is chosen on a GPU with CuPy (nothing runs on it: the refusal comes first)."""
+    monkeypatch.setattr(kernel_loader, "choose", lambda device: kernel_loader.KernelChoice(True, "CuPy on cuda:0"))
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_cuda_kernels_refuse_a_window_before_anything_is_written(name, cuda_kernels):
+    model = make_model(name)
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64, block_size=4)
+    ids, mask = left_padded([9, 5])
+    message = (rf"sliding-window attention \(window {WINDOW}\), which Ponytail's CUDA kernels do not implement yet; "
+               rf"on cpu max_seq_len=64 must be <= {WINDOW} \(the CPU runs any length\)")
+    with pytest.raises(ConfigError, match=message):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=cache)
+    assert cache.stats().used_blocks == 0
+
+
+def test_a_window_no_row_can_outgrow_is_no_window(cuda_kernels):
+    """max_seq_len within the window: the kernels' whole rows are the window (as before)."""
+    model = make_model("mistral")
+    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=WINDOW, block_size=4)
+    assert cache.window(WINDOW) is None and cache.window(None) is None
+    cache.check_model(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 1, 16), WINDOW)
