@@ -223,27 +223,32 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt (strings or token-id lists) to completion; outputs in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """Run every prompt to completion; outputs in input order. A prompt is text, token ids, or
+        vLLM's {"prompt": text} / {"prompt_token_ids": ids}. A prompt refused stops the call and
+        takes back the ones added before it, as vLLM does: nothing of this call runs later."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ConfigError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         engine = self.engine
-        requests = [engine.add_request(p, sp or SamplingParams()) for p, sp in zip(prompts, params)]
+        requests = []
         progress = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(requests), desc="generate", unit="req")
         try:
+            for prompt, sp in zip(prompts, params):
+                requests.append(engine.add_request(prompt, sp or SamplingParams()))
+            if use_tqdm:
+                from tqdm import tqdm
+
+                progress = tqdm(total=len(requests), desc="generate", unit="req")
             while engine.has_unfinished():
                 done = sum(o.done for o in engine.step())
                 if progress is not None and done:
                     progress.update(done)
         except BaseException:
-            for request in requests:  # never leak blocks, whatever interrupted us
+            for request in requests:  # never leak blocks or queued requests, whatever interrupted us
                 engine.abort(request.request_id)
+                engine.forget(request.request_id)
             raise
         finally:
             if progress is not None:

@@ -230,6 +230,37 @@ def test_invalid_requests_are_refused_with_a_clear_message(small_model, prompt, 
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt": "hi", "prompt_token_ids": [1]}, r"keys \['prompt', 'prompt_token_ids'\]: allowed: exactly one of"),
+    ({}, r"prompt dict with keys \[\]: allowed: exactly one of \['prompt', 'prompt_token_ids'\]"),
+    ({"prompt_token_ids": [1], "multi_modal_data": {}}, r"\(multi_modal_data not supported\)"),
+    ({"prompt_token_ids": []}, "prompt must be a non-empty string or list of token ids"),
+])
+def test_vllm_prompt_dicts_are_checked(small_model, prompt, message):
+    llm = make_llm(small_model)
+    with pytest.raises(ConfigError, match=message):
+        llm.generate(prompt, GREEDY)
+
+
+def test_vllm_prompt_dicts_give_what_their_text_or_ids_give(small_model):
+    llm = make_llm(small_model)
+    text, ids = "The capital of France is", random_prompts(1, seed=3)[0]
+    plain = llm.generate([text, ids], GREEDY)
+    dicts = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], GREEDY)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[0].prompt == text and dicts[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].token_ids == plain[1].token_ids  # one prompt, no list
+
+
+def test_a_refused_prompt_takes_back_the_prompts_added_before_it(small_model):
+    llm = make_llm(small_model)
+    good = random_prompts(2, seed=4)
+    with pytest.raises(ConfigError, match="prompt='' is empty"):
+        llm.generate(good + [""], GREEDY)
+    assert not llm.engine.has_unfinished() and not llm.engine.requests
+    assert len(llm.generate(good[:1], GREEDY)) == 1 and not llm.engine.requests
+
+
 def test_a_request_larger_than_the_whole_cache_is_refused_at_once(small_model):
     llm = make_llm(small_model, kv_cache_memory=8 * 4 * 2 * 2 * 2 * 16 * 4)  # 8 blocks of 4 tokens
     with pytest.raises(ConfigError, match=r"needs 13 KV blocks, but the whole cache holds 8"):

@@ -29,7 +29,7 @@ from .detokenizer import IncrementalDetokenizer, make_detokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
-from .request import PLACEHOLDER_TOKEN, Request, RequestOutput
+from .request import PLACEHOLDER_TOKEN, Request, RequestOutput, unpack_prompt
 from ..sampling.grammar import GrammarCompiler, RequestGrammar
 from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
@@ -108,7 +108,7 @@ class LLMEngine:
         self._prefix_hits = 0
 
     # ------------------------------------------------------------ requests
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
         """Check, tokenize and queue a request; ConfigError names what is wrong.
 
@@ -119,9 +119,9 @@ class LLMEngine:
         self.enqueue(request)
         return request
 
-    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def prepare_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
                         request_id: str | None = None) -> Request:
-        """Everything add_request checks, without touching the engine's state (any thread may call it)."""
+        """add_request's checks, no engine state touched (any thread may call it); prompt dicts: vLLM's."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a ponytail.SamplingParams, got {type(params).__name__}")
@@ -135,7 +135,7 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt)
+        token_ids = self._prompt_token_ids(prompt := unpack_prompt(prompt))
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
         start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it

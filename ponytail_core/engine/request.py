@@ -7,6 +7,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from ..errors import ConfigError
 from ..sampling.grammar import RequestGrammar
 from ..sampling.params import SamplingParams
 
@@ -234,3 +235,20 @@ class RequestOutput:
     def num_cached_tokens(self) -> int:
         """Prompt tokens found in the prefix cache (vLLM's RequestOutput field of that name)."""
         return self.metrics.num_cached_prompt_tokens
+
+
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
+
+
+def unpack_prompt(prompt):
+    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, as the text or ids they
+    hold; anything else as given (the engine checks it). Keys for inputs Ponytail does not take
+    (multi_modal_data, prompt_embeds, ...) are refused, never dropped."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = [key for key in PROMPT_KEYS if key in prompt]
+    extra = sorted(set(prompt) - set(PROMPT_KEYS))
+    if extra or len(given) != 1:
+        raise ConfigError(f"prompt dict with keys {sorted(prompt)}: allowed: exactly one of {list(PROMPT_KEYS)}"
+                          + (f" ({', '.join(extra)} not supported)" if extra else ""))
+    return prompt[given[0]]
