@@ -15,7 +15,7 @@ from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
 from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
-from .models.loader import load_model
+from .models.loader import load_model, load_tokenizer
 from .runner.compile import can_compile
 from .runner.fused_projections import can_fuse
 from .engine.request import RequestOutput
@@ -80,6 +80,10 @@ class LLM:
     FlashAttention-2) or "fa4" (FlashAttention-4, `pip install 'ponytail[fa4]'`: attention 1.14-1.26x
     as fast at head_dim 128, a 7B's prefill 1.05x, H200; attention/fa4.py); None: "fa4" where it is
     installed, the GPU is Hopper or Blackwell and head_dim >= 128, else "flash".
+    vLLM's own arguments, for scripts written for it: tokenizer (an object, or a name or path to
+    load), enforce_eager (no CUDA graphs, no compile), seed (torch's generators, which requests
+    without a seed of their own draw from), revision and trust_remote_code (passed to
+    transformers), tensor_parallel_size (1 only: one engine per device, replicas across devices).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -90,10 +94,18 @@ class LLM:
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
                  context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False,
                  prefill_delay_factor: float | None = None, fuse_projections: bool | None = None,
-                 prefill_attention: str | None = None, column_major_weights: bool | None = None):
+                 prefill_attention: str | None = None, column_major_weights: bool | None = None,
+                 enforce_eager: bool = False, seed: int | None = None, tensor_parallel_size: int = 1,
+                 revision: str | None = None, trust_remote_code: bool = False):
         loaded_here = model is None or isinstance(model, str)
+        cuda_graphs, compile_model = _vllm_options(loaded_here, cuda_graphs, compile_model, enforce_eager, seed,
+                                                   tensor_parallel_size, revision, trust_remote_code)
         if loaded_here:
-            model, tokenizer = load_model(model, device=device, dtype=dtype)
+            model, tokenizer_loaded = load_model(model, device=device, dtype=dtype, revision=revision,
+                                                 trust_remote_code=trust_remote_code)
+            tokenizer = tokenizer_loaded if tokenizer is None else tokenizer
+        if isinstance(tokenizer, str):  # vLLM's tokenizer=<name or path>
+            tokenizer = load_tokenizer(tokenizer)
         # A model object without a tokenizer runs on token ids alone (like vLLM's skip_tokenizer_init).
         device = next(model.parameters()).device
         text_config = model.config.get_text_config()
@@ -171,6 +183,10 @@ class LLM:
 
     @property
     def tokenizer(self):
+        return self.engine.tokenizer
+
+    def get_tokenizer(self):
+        """The tokenizer (vLLM's LLM.get_tokenizer); None for an engine on token ids alone."""
         return self.engine.tokenizer
 
     @property
@@ -319,3 +335,27 @@ def _share_of_device(share: float, device: torch.device) -> int:
                           f"{format_bytes(total)}, but this process already holds {format_bytes(held)} "
                           "(the model): allowed: a larger share")
     return budget
+
+
+def _vllm_options(loaded_here: bool, cuda_graphs, compile_model, enforce_eager, seed, tensor_parallel_size,
+                  revision, trust_remote_code) -> tuple[bool | None, bool | None]:
+    """vLLM's LLM arguments that mean something here, checked: (cuda_graphs, compile_model) after
+    enforce_eager; seed seeds torch's generators, which requests without their own seed draw from."""
+    if not isinstance(enforce_eager, bool):
+        raise ConfigError(f"enforce_eager={enforce_eager!r} is not supported; allowed: True or False")
+    if enforce_eager:
+        if cuda_graphs or compile_model:
+            raise ConfigError(f"enforce_eager=True runs the model eagerly, but cuda_graphs={cuda_graphs!r} and "
+                              f"compile_model={compile_model!r} ask otherwise; allowed: one or the other")
+        cuda_graphs, compile_model = False, False
+    if isinstance(tensor_parallel_size, bool) or tensor_parallel_size != 1:
+        raise ConfigError(f"tensor_parallel_size={tensor_parallel_size!r} is not supported; allowed: 1 (an engine "
+                          "runs on one device; serve across GPUs with one replica each: deployments/app.yaml)")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ConfigError(f"seed={seed!r} is not supported; allowed: an int >= 0, or None")
+        torch.manual_seed(seed)
+    if not loaded_here and (revision is not None or trust_remote_code):
+        given = f"revision={revision!r}" if revision is not None else "trust_remote_code=True"
+        raise ConfigError(f"{given} applies when LLM loads the model (a name or path), not to a model object")
+    return cuda_graphs, compile_model

@@ -34,23 +34,28 @@ def check_hub_model(repo_id: str) -> Any:
     return _translate(repo_id, lambda: AutoConfig.from_pretrained(repo_id))
 
 
-def load_hub_model(repo_id: str, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
-    """(model, tokenizer) through transformers' from_pretrained: cache, downloads, offline mode."""
+def load_hub_model(repo_id: str, dtype: torch.dtype, device: torch.device, revision: str | None = None,
+                   trust_remote_code: bool = False) -> tuple[Any, Any]:
+    """(model, tokenizer) through transformers' from_pretrained: cache, downloads, offline mode;
+    revision (a branch, tag or commit) and trust_remote_code as transformers takes them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    options = dict(revision=revision, trust_remote_code=trust_remote_code)
+
     def load():
-        tokenizer = AutoTokenizer.from_pretrained(repo_id)
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, device_map=str(device))
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, **options)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, device_map=str(device), **options)
         return model, tokenizer
 
-    return _translate(repo_id, load)
+    return _translate(repo_id, load, revision)
 
 
-def _translate(repo_id: str, load):
+def _translate(repo_id: str, load, revision: str | None = None):
     try:
         return load()
     except OSError as exc:  # transformers' "not found / cannot connect / gated" errors are OSErrors
-        raise ConfigError(f"name_or_path={repo_id!r}: {_what_to_do(repo_id)}\n(transformers: {exc})") from None
+        which = f"name_or_path={repo_id!r}" + ("" if revision is None else f" revision={revision!r}")
+        raise ConfigError(f"{which}: {_what_to_do(repo_id)}\n(transformers: {exc})") from None
 
 
 def _what_to_do(repo_id: str) -> str:

@@ -58,13 +58,17 @@ def load_model(
     *,
     device: str | torch.device | None = "cpu",
     dtype: str | torch.dtype | None = None,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
 ) -> tuple[Any, Any]:
     """Load a causal LM and its tokenizer, ready to generate: (model, tokenizer).
 
     name_or_path: None for the default model, a local transformers checkpoint directory, a .gguf
     file, or a hub id (transformers' hub cache; downloaded unless HF_HUB_OFFLINE=1). device:
     "cpu", "cuda", "cuda:N" or "auto" (cuda if available). dtype: None for float32 on the CPU
-    and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16").
+    and bfloat16 on CUDA, else a torch.dtype or a name ("bf16", "float16"). revision: a hub id's
+    branch, tag or commit (None: main). trust_remote_code: run the model code a checkpoint ships
+    (transformers' flag, as vLLM's).
     The model is in eval mode with generation_config.pad_token_id set; the tokenizer pads on the
     left and has a pad token.
     """
@@ -72,15 +76,21 @@ def load_model(
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     dtype = resolve_dtype(dtype)
+    if not isinstance(trust_remote_code, bool):
+        raise ConfigError(f"trust_remote_code={trust_remote_code!r} is not supported; allowed: True or False")
     source = model_source(name_or_path)
+    if revision is not None and not isinstance(source, str):
+        raise ConfigError(f"revision={revision!r} names a version of a hub id, but name_or_path="
+                          f"{str(name_or_path)!r} is {'the default model' if source is None else 'a local file'}; "
+                          "allowed: revision with a hub id (ORG/NAME), or None")
     if source is None:
         model, tokenizer = _load_checkpoint(default_checkpoint(), dtype, device)
     elif isinstance(source, str):
-        model, tokenizer = load_hub_model(source, dtype, device)
+        model, tokenizer = load_hub_model(source, dtype, device, revision=revision, trust_remote_code=trust_remote_code)
     else:
         path = source
         if path.is_dir():
-            model, tokenizer = _load_checkpoint(path, dtype, device)
+            model, tokenizer = _load_checkpoint(path, dtype, device, trust_remote_code)
         else:
             model, tokenizer = _read_gguf(path, dtype)
             model.to(device)
@@ -213,13 +223,14 @@ def model_source(name_or_path: object) -> Path | str | None:
     )
 
 
-def _load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device) -> tuple[Any, Any]:
+def _load_checkpoint(path: Path, dtype: torch.dtype, device: torch.device,
+                     trust_remote_code: bool = False) -> tuple[Any, Any]:
     # Imported here: importing transformers takes seconds, and only loading needs it.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=dtype, device_map=str(device)
+        path, local_files_only=True, dtype=dtype, device_map=str(device), trust_remote_code=trust_remote_code
     )
     return model, tokenizer
 

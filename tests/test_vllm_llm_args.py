@@ -1,0 +1,103 @@
+"""vLLM's LLM arguments a script written for vLLM passes: honoured where they mean something here,
+refused by name where they do not (never accepted and ignored)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ponytail
+from ponytail import ConfigError, SamplingParams
+from ponytail.models.loader import default_checkpoint
+from hub_cache import HUB_ID, REVISION, build_hub_cache, offline_env
+from tiny_models import sharp_llama
+
+pytestmark = pytest.mark.network  # the default model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def small_model(default_model):
+    _, tokenizer = default_model
+    return sharp_llama(tokenizer), tokenizer
+
+
+def make_llm(small_model, **kwargs):
+    model, tokenizer = small_model
+    return ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=8, max_model_len=128,
+                        **kwargs)
+
+
+def test_seed_makes_requests_without_their_own_seed_reproducible(small_model):
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+    prompts = ["Once upon a time", "The weather today"]
+    first = [o.token_ids for o in make_llm(small_model, seed=7).generate(prompts, sampled)]
+    again = [o.token_ids for o in make_llm(small_model, seed=7).generate(prompts, sampled)]
+    other = [o.token_ids for o in make_llm(small_model, seed=8).generate(prompts, sampled)]
+    assert first == again and first != other
+
+
+def test_enforce_eager_turns_graphs_and_compile_off_and_refuses_a_contradiction(small_model):
+    llm = make_llm(small_model, enforce_eager=True)
+    assert llm.engine.runner.graphs is None
+    assert llm.generate("Hi", SamplingParams(max_tokens=3, temperature=0))[0].token_ids
+    with pytest.raises(ConfigError, match=r"enforce_eager=True runs the model eagerly, but cuda_graphs=True"):
+        make_llm(small_model, enforce_eager=True, cuda_graphs=True)
+    with pytest.raises(ConfigError, match=r"but cuda_graphs=None and compile_model=True ask otherwise"):
+        make_llm(small_model, enforce_eager=True, compile_model=True)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tensor_parallel_size=2), r"tensor_parallel_size=2 is not supported; allowed: 1 \(an engine runs on one"),
+    (dict(tensor_parallel_size=True), r"tensor_parallel_size=True is not supported"),
+    (dict(seed=-1), r"seed=-1 is not supported; allowed: an int >= 0, or None"),
+    (dict(seed="7"), r"seed='7' is not supported"),
+    (dict(enforce_eager="yes"), r"enforce_eager='yes' is not supported; allowed: True or False"),
+    (dict(revision="main"), r"revision='main' applies when LLM loads the model \(a name or path\), not to a model"),
+    (dict(trust_remote_code=True), r"trust_remote_code=True applies when LLM loads the model"),
+])
+def test_vllm_arguments_that_mean_nothing_here_are_refused_by_name(small_model, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        make_llm(small_model, **kwargs)
+
+
+def test_tensor_parallel_size_one_is_what_an_engine_is(small_model):
+    make_llm(small_model, tensor_parallel_size=1)
+
+
+def test_a_tokenizer_given_by_path_is_loaded(small_model):
+    model, tokenizer = small_model
+    llm = ponytail.LLM(model, tokenizer=str(default_checkpoint()), kv_cache_memory="4MiB", max_num_seqs=4,
+                       max_model_len=128)
+    assert llm.get_tokenizer() is llm.tokenizer and llm.get_tokenizer().vocab_size == tokenizer.vocab_size
+    by_object = make_llm(small_model).generate("Hello there", SamplingParams(max_tokens=5, temperature=0))[0]
+    by_path = llm.generate("Hello there", SamplingParams(max_tokens=5, temperature=0))[0]
+    assert (by_path.text, by_path.token_ids) == (by_object.text, by_object.token_ids)
+
+
+def test_a_revision_applies_to_hub_ids_only():
+    with pytest.raises(ConfigError, match=r"revision='v2' names a version of a hub id, but name_or_path="):
+        ponytail.load_model(str(default_checkpoint()), revision="v2")
+    with pytest.raises(ConfigError, match=r"trust_remote_code='no' is not supported; allowed: True or False"):
+        ponytail.load_model(str(default_checkpoint()), trust_remote_code="no")
+
+
+def test_a_hub_revision_loads_by_commit_and_an_unknown_one_is_a_clear_error(default_model, tmp_path):
+    """Offline, from a cache laid out as the hub's: the snapshot's commit loads; a tag the cache has
+    never seen is a ConfigError that names the hub id, not a traceback."""
+    build_hub_cache(tmp_path / "hub", default_checkpoint())
+    script = (
+        "import ponytail\n"
+        f"model, _ = ponytail.load_model({HUB_ID!r}, revision={REVISION!r})\n"
+        "print(model.config.num_hidden_layers)\n"
+        "try:\n"
+        f"    ponytail.load_model({HUB_ID!r}, revision='v9')\n"
+        "except ponytail.ConfigError as exc:\n"
+        "    print('refused:', str(exc).splitlines()[0])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], env=offline_env(tmp_path), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    layers, refused = done.stdout.strip().splitlines()[-2:]
+    assert layers == str(default_model[0].config.num_hidden_layers)
+    assert refused.startswith(f"refused: name_or_path={HUB_ID!r} revision='v9':"), refused
