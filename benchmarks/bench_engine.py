@@ -293,7 +293,7 @@ def main() -> int:
     parser.add_argument("--capacity-max-len", type=int, default=4096, help="max_seq_len of the preallocated peer")
     parser.add_argument("--rounds", type=int, default=None,
                         help="timed runs per peer, alternating order; the median is reported (default: 3 with "
-                             "--small, else 1)")
+                             "--small, else 1; side by side with vLLM: 1, each engine's rounds back to back)")
     parser.add_argument("--json")
     peer_bench.add_arguments(parser)
     args = parser.parse_args()

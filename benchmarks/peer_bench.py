@@ -243,6 +243,14 @@ def rates(result: dict) -> dict:
             "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99)}
 
 
+def median_run(runs: list[dict], metric: str) -> dict:
+    """The run with the median tokens/s (the lower of two middles), every round's tokens/s under
+    "rounds" in the order they ran."""
+    key = f"{metric}_tokens_per_s"
+    ordered = sorted(runs, key=lambda r: r[key])
+    return {**ordered[(len(runs) - 1) // 2], "rounds": [r[key] for r in runs]}
+
+
 def model_shape(model_dir: str) -> tuple[int, int]:
     """(vocab size, positions) from the checkpoint's config, without loading weights."""
     from transformers import AutoConfig
@@ -319,18 +327,19 @@ def run(args, peers: list[str]) -> int:
                                                          "output_tokens": w.output_tokens} for w in workloads},
               "start": {}, "check": {}, "results": {}, "skipped": {}, "profiles": {}}
 
+    rounds = args.rounds or 1
     vllm = None
     if "vllm" in peers:  # first: before this process holds any device memory
         # The dtype Ponytail will run in (its default: bf16 on CUDA, fp32 on the CPU), not the config's.
         dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
-        request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup,
+        request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup, "rounds": rounds,
                    "check": {"prompts": check, "steps": args.check_tokens},
                    "workloads": [w.to_json() for w in workloads], "profile": args.profile}
         workdir = Path(args.vllm_workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
         if args.vllm_reuse:  # an earlier run's results, on the same requests (checked below)
             vllm = read_results(workdir)
-            same = [(r["name"], r["prompt_tokens"]) for r in vllm.get("results", [])] == \
-                [(w.name, w.prompt_tokens) for w in workloads] and len(vllm.get("check", [])) == len(check)
+            held = {r["name"]: r["prompt_tokens"] for r in vllm.get("results", [])}
+            same = held == {w.name: w.prompt_tokens for w in workloads} and len(vllm.get("check", [])) == len(check)
             if vllm["ok"] and not same:
                 vllm = {"ok": False, "error": f"--vllm-reuse: {workdir} holds other workloads or check requests"}
         else:
@@ -361,16 +370,18 @@ def run(args, peers: list[str]) -> int:
             return 1
 
     if vllm is not None:
-        report["results"]["vllm"] = {r["name"]: rates(r) for r in vllm["results"]}
+        report["results"]["vllm"] = {w.name: median_run([rates(r) for r in vllm["results"] if r["name"] == w.name],
+                                                        w.metric) for w in workloads}
     for peer in ours:
         llm_args = llm_args_for(peer, model)
         report["results"][peer] = {}
         for w in workloads:  # each printed as it lands: a run cut short keeps what it measured
-            with peer_launch(peer):
-                result = run_ponytail(model, tokenizer, w, args.kv_memory, warmup, llm_args)
-            report["results"][peer][w.name] = rates(result)
-            print(f"{peer} {w.name}: {report['results'][peer][w.name][f'{w.metric}_tokens_per_s']:,.1f} "
-                  f"{w.metric} tokens/s", flush=True)
+            runs = []
+            for _ in range(rounds):
+                with peer_launch(peer):
+                    runs.append(rates(run_ponytail(model, tokenizer, w, args.kv_memory, warmup, llm_args)))
+                print(f"{peer} {w.name}: {runs[-1][f'{w.metric}_tokens_per_s']:,.1f} {w.metric} tokens/s", flush=True)
+            report["results"][peer][w.name] = median_run(runs, w.metric)
     if vllm is not None and args.profile:
         report["profiles"]["vllm"] = vllm.get("profiles", {})
     for peer in ours:
@@ -418,11 +429,35 @@ def print_table(report: dict, workloads) -> None:
                       f"first token {v['process_to_first_token_s']:.1f} s; reserved KV "
                       f"{kv.get('reserved_gib_logged')} GiB ({kv.get('tokens_logged')} tokens, "
                       f"{kv.get('num_gpu_blocks')} blocks of {kv.get('block_size')})")
+    print_rounds(console, report, workloads)
     for engine in ours:
         for name, r in report["results"][engine].items():
             console.print(f"{engine} {name}: KV pool peak {r['kv_pool_peak_bytes'] / 1e9:.2f} GB (all requests at once "
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
+
+
+def print_rounds(console, report: dict, workloads) -> None:
+    """With --rounds: each engine's rounds and their spread, and the ratio's range over every
+    pairing of our rounds with vLLM's (a ratio inside its engines' spread is no difference)."""
+    results = report["results"]
+    if all(len(r.get("rounds", [])) < 2 for by_work in results.values() for r in by_work.values()):
+        return
+    for work in workloads:
+        parts = []
+        for engine, by_work in results.items():
+            values = by_work[work.name]["rounds"]
+            median = by_work[work.name][f"{work.metric}_tokens_per_s"]
+            parts.append(f"{engine} {' / '.join(f'{v:,.0f}' for v in values)} "
+                         f"(spread {(max(values) - min(values)) / median:.1%})")
+        line = f"{work.name} rounds: " + "; ".join(parts)
+        if "vllm" in results:
+            theirs = results["vllm"][work.name]["rounds"]
+            for engine in (e for e in results if e != "vllm"):
+                mine = results[engine][work.name]["rounds"]
+                line += (f"; {engine} / vllm {min(mine) / max(theirs):.3f}x to {max(mine) / min(theirs):.3f}x "
+                         "over every pairing")
+        console.print(line)
 
 
 def print_profiles(profiles: dict, names: list[str], top: int = 8) -> None:

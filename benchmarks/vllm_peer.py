@@ -112,7 +112,8 @@ def _generate(llm, work: dict, SamplingParams, TokensPrompt):
 def worker(request: dict) -> dict:
     """request: model, dtype, seed, check {prompts, steps}, warmup (a prompt),
     workloads [{name, prompts, output_lens}], spawned_at (the parent's time.time() at spawn), and
-    optionally profile (workload names run once more under kernel_time.recorded, after the timing)."""
+    optionally rounds (timed runs of each workload, default 1) and profile (workload names run once
+    more under kernel_time.recorded, after the timing)."""
     try:
         import vllm
         from vllm import LLM, SamplingParams
@@ -139,18 +140,19 @@ def worker(request: dict) -> dict:
             c = o.outputs[0]
             checked.append({"token_ids": list(c.token_ids),
                             "logprobs": [{str(t): float(lp.logprob) for t, lp in step.items()} for step in c.logprobs]})
-    results = []
+    results = []  # one entry per workload and round, rounds of a workload back to back
     for work in request["workloads"]:
-        _prepare(llm, request["warmup"], SamplingParams, TokensPrompt)
-        t0 = time.perf_counter()
-        outs = _generate(llm, work, SamplingParams, TokensPrompt)
-        seconds = time.perf_counter() - t0
-        produced = sum(len(o.outputs[0].token_ids) for o in outs)
-        ttfts = sorted(t for t in map(_ttft, outs) if t is not None)
-        results.append({"name": work["name"], "seconds": seconds, "output_tokens": produced,
-                        "expected_output_tokens": sum(work["output_lens"]),
-                        "prompt_tokens": sum(len(p) for p in work["prompts"]),
-                        "ttfts": ttfts})
+        for _ in range(request.get("rounds", 1)):
+            _prepare(llm, request["warmup"], SamplingParams, TokensPrompt)
+            t0 = time.perf_counter()
+            outs = _generate(llm, work, SamplingParams, TokensPrompt)
+            seconds = time.perf_counter() - t0
+            produced = sum(len(o.outputs[0].token_ids) for o in outs)
+            ttfts = sorted(t for t in map(_ttft, outs) if t is not None)
+            results.append({"name": work["name"], "seconds": seconds, "output_tokens": produced,
+                            "expected_output_tokens": sum(work["output_lens"]),
+                            "prompt_tokens": sum(len(p) for p in work["prompts"]),
+                            "ttfts": ttfts})
     profiles = {}
     for work in (w for w in request["workloads"] if w["name"] in request.get("profile", ())):
         import kernel_time  # beside this file: on sys.path when it runs as a script

@@ -163,6 +163,18 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     assert f"vllm: skipped: --vllm-reuse: {tmp_path / 'vllm'} holds other workloads or check requests" in again.stdout
 
 
+def test_bench_engine_rounds_time_each_engine_again_and_report_the_median_and_spread(stand_in, tmp_path):
+    out = tmp_path / "rounds.json"
+    result = bench_engine("--workload", "decode", "--peers", "ponytail,vllm", "--check-tokens", "0", "--rounds", "3",
+                          "--vllm-pythonpath", str(stand_in), "--json", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    for peer in ("ponytail", "vllm"):
+        decode = report["results"][peer]["decode"]
+        assert len(decode["rounds"]) == 3 and decode["output_tokens_per_s"] == sorted(decode["rounds"])[1]
+    assert "decode rounds: vllm " in result.stdout and "over every pairing" in result.stdout
+
+
 @pytest.mark.slow
 def test_bench_engine_stops_before_timing_when_vllm_tokens_are_wrong(stand_in, tmp_path):
     result = bench_engine("--workload", "prefill", "--peers", "vllm", "--check-tokens", "4",
