@@ -77,3 +77,12 @@ def tiny_model(default_model):
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(default_model[1]), max_position_embeddings=2048)
     return LlamaForCausalLM(config).eval(), default_model[1]
+
+
+@pytest.fixture(scope="module")
+def small_model(default_model):
+    """(model, tokenizer): a random 2-layer Llama with sharp logits (tiny_models.sharp_llama: no
+    greedy near-ties) sharing the default model's tokenizer."""
+    from tiny_models import sharp_llama
+
+    return sharp_llama(default_model[1]), default_model[1]

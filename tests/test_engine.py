@@ -16,13 +16,6 @@ from ponytail import ConfigError, SamplingParams
 pytestmark = pytest.mark.network  # the default model's tokenizer
 
 
-@pytest.fixture(scope="module")
-def small_model(default_model):
-    """A random 2-layer Llama sharing the default model's tokenizer (fast, sharp logits)."""
-    _, tokenizer = default_model
-    return sharp_llama(tokenizer), tokenizer
-
-
 def plain_greedy(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     previous = model.config._attn_implementation
     model.set_attn_implementation("sdpa")

@@ -11,15 +11,8 @@ import torch
 import ponytail
 from ponytail import KernelError, SamplingParams
 from ponytail.runner import model_runner
-from tiny_models import sharp_llama
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
-
-
-@pytest.fixture(scope="module")
-def small_model(default_model):
-    _, tokenizer = default_model
-    return sharp_llama(tokenizer), tokenizer
 
 
 def make_llm(small_model, **kwargs):

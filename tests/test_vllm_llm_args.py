@@ -11,15 +11,8 @@ import ponytail
 from ponytail import ConfigError, SamplingParams
 from ponytail.models.loader import default_checkpoint
 from hub_cache import HUB_ID, REVISION, build_hub_cache, offline_env
-from tiny_models import sharp_llama
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
-
-
-@pytest.fixture(scope="module")
-def small_model(default_model):
-    _, tokenizer = default_model
-    return sharp_llama(tokenizer), tokenizer
 
 
 def make_llm(small_model, **kwargs):
