@@ -277,12 +277,13 @@ class LLM:
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
+             continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
         """Answer a conversation (a list of {"role", "content"} messages) or a list of them, as
-        vLLM's LLM.chat: the tokenizer's chat template renders each (with `tools`, the template's
-        `chat_template_kwargs`, the assistant's answer opened or, with continue_final_message, the
-        last message continued), then generate runs the token ids. One output per conversation."""
+        vLLM's LLM.chat: the tokenizer's chat template (or `chat_template`, a template's text)
+        renders each (with `tools`, the template's `chat_template_kwargs`, the assistant's answer
+        opened or, with continue_final_message, the last message continued), then generate runs
+        the token ids. One output per conversation."""
         if self.tokenizer is None:
             raise ConfigError("messages need a chat template, and this model has no tokenizer; allowed: a model "
                               "with a tokenizer, or generate() with token ids")
@@ -294,7 +295,7 @@ class LLM:
             prompts.append(render_chat(self.tokenizer, conversation, tokenize=True, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,
-                                          chat_template_kwargs=chat_template_kwargs))
+                                          chat_template_kwargs=chat_template_kwargs, chat_template=chat_template))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:

@@ -46,9 +46,18 @@ def test_options_reach_the_template(llm):
     assert decode(cont.prompt_token_ids).endswith("assistant\nThe capital of France is")
 
 
+def test_a_chat_template_given_replaces_the_tokenizers_for_that_call(llm):
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    (given,) = llm.chat(ASK, GREEDY, chat_template=template)
+    assert llm.tokenizer.decode(given.prompt_token_ids) == "[user] What is the capital of France?\n[assistant] "
+    (default,) = llm.chat(ASK, GREEDY)
+    assert default.prompt_token_ids != given.prompt_token_ids
+
+
 @pytest.mark.parametrize("kwargs, words", [
     (dict(continue_final_message=True), "continue_final_message=true needs add_generation_prompt=false"),
     (dict(chat_template_kwargs={"tokenize": False}), "chat_template_kwargs=['tokenize'] sets what"),
+    (dict(chat_template="templates/chatml.jinja"), "chat_template='templates/chatml.jinja' is not a Jinja template"),
 ])
 def test_bad_options_are_config_errors_naming_them(llm, kwargs, words):
     with pytest.raises(ConfigError) as caught:

@@ -44,13 +44,19 @@ def _has_text(content: Any) -> bool:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: bool,
                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
-                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None
-                ) -> str | list[int]:
+                continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
+                chat_template: str | None = None) -> str | list[int]:
     """The template applied: its text, or with tokenize its token ids (the template writes the
-    special tokens; none are added). ConfigError for a refused conversation."""
+    special tokens; none are added). ConfigError for a refused conversation. chat_template: a
+    template's text to use instead of the tokenizer's."""
     import jinja2
 
     extra = dict(chat_template_kwargs or {})
+    if chat_template is not None:
+        if not isinstance(chat_template, str) or not ("{{" in chat_template or "{%" in chat_template):
+            raise ConfigError(f"chat_template={chat_template!r:.60} is not a Jinja template (no '{{{{' or '{{%'); "
+                              "allowed: a template's text, or None for the tokenizer's")
+        extra["chat_template"] = chat_template
     if tools:  # only when given: tokenizers without tool support keep working
         extra["tools"] = tools
     if continue_final_message:
