@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_engine import make_llm, plain_greedy, random_prompts, small_model, walked_promised_blocks  # noqa: F401
+from test_engine import make_llm, plain_greedy, random_prompts, walked_promised_blocks
 
 import ponytail
 from ponytail import ConfigError, SamplingParams

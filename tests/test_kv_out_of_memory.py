@@ -13,7 +13,7 @@ import torch
 import ponytail
 from ponytail import CacheConfig, NoRoom, PagedKVCache, SamplingParams
 from ponytail.kv import storage as storage_module  # noqa: E402
-from test_engine import make_llm, plain_greedy, random_prompts, small_model  # noqa: F401 (fixture)
+from test_engine import make_llm, plain_greedy, random_prompts
 
 
 class Refusals(list):

@@ -9,7 +9,7 @@ import torch
 import ponytail
 from ponytail import ConfigError, SamplingParams
 
-from test_engine import make_llm, plain_greedy, small_model  # noqa: F401 (fixture)
+from test_engine import make_llm, plain_greedy
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
 

@@ -6,7 +6,7 @@ import pytest
 from ponytail import SamplingParams
 from ponytail.sampling.sampler import SamplingBatch
 
-from test_engine import make_llm, random_prompts, small_model  # noqa: F401 (fixture)
+from test_engine import make_llm, random_prompts
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
 
