@@ -94,6 +94,10 @@ class AppArgs(BaseModel):
                                   "sit free)")
     prefix_weight: float = Field(2.0, description="prefix: what a fully cached prompt weighs against pool "
                                  "use and load (each 0-1); 0: no affinity")
+    enforce_eager: bool = Field(False, description="run the model eagerly: no CUDA graphs, no torch.compile "
+                                "(vLLM's --enforce-eager); excludes compile_model true")
+    seed: int | None = Field(None, ge=0, description="seeds each replica's torch generators, which requests "
+                             "without a seed of their own sample from (vLLM's --seed); unset: not seeded")
     compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     fuse_projections: bool | None = Field(None, description="one GEMM for q/k/v and one for gate/up in every "
@@ -169,7 +173,8 @@ class AppArgs(BaseModel):
                                                 "gpu_memory_utilization", "max_prompt_tokens",
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
                                                 "generation_config", "chat_template", "tool_call_parser",
-                                                "reasoning_parser", "default_chat_template_kwargs")
+                                                "reasoning_parser", "default_chat_template_kwargs", "enforce_eager",
+                                                "seed")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 
@@ -329,6 +334,9 @@ class AppArgs(BaseModel):
                              "Serve's proxy does not show a router, and ingress replicas need the separate "
                              "ingress; allowed: api_in_engines false or null with router prefix or "
                              "ingress_replicas > 1")
+        if self.enforce_eager and self.compile_model:
+            raise ValueError("enforce_eager=true and compile_model=true: allowed: one of them (enforce_eager runs "
+                             "the model without torch.compile and CUDA graphs)")
         self.limits()  # ValueError naming a bad limit
         return self
 

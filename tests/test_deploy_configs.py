@@ -136,6 +136,21 @@ def test_engine_arguments_reach_the_replica_constructor():
     named = engine_arguments(AppArgs(served_model_name="mine"), gpu=False)
     assert named["model_id"] == named["model_alias"] == "mine"
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
+    vllm_like = engine_arguments(AppArgs(enforce_eager=True, seed=3), gpu=True)  # vLLM's --enforce-eager, --seed
+    assert (vllm_like["enforce_eager"], vllm_like["seed"], args["enforce_eager"], args["seed"]) == (True, 3, False, None)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(enforce_eager=True, compile_model=True), "enforce_eager=true and compile_model=true: allowed: one of them"),
+    (dict(seed=-1), "seed"),
+])
+def test_vllm_style_engine_args_are_checked_when_the_app_is_built(kwargs, message):
+    from pydantic import ValidationError
+
+    from deployments.app import AppArgs
+
+    with pytest.raises(ValidationError, match=message):
+        AppArgs(**kwargs)
 
 
 def test_unset_batch_and_autoscaling_args_are_sized_to_the_device():
