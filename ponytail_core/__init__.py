@@ -22,6 +22,7 @@ from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .models.chat_template import check_chat_template_options, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
+from .sampling.logprob import Logprob  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
 from .sampling.structured import StructuredOutputsParams  # noqa: E402
 from .utils.units import is_seconds  # noqa: E402
@@ -37,6 +38,7 @@ __all__ = [
     "RequestDelta",
     "RequestOutput",
     "SamplingParams",
+    "Logprob",
     "StructuredOutputsParams",
     "check_chat_template_options",
     "render_chat",

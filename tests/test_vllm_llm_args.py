@@ -94,3 +94,36 @@ def test_a_hub_revision_loads_by_commit_and_an_unknown_one_is_a_clear_error(defa
     layers, refused = done.stdout.strip().splitlines()[-2:]
     assert layers == str(default_model[0].config.num_hidden_layers)
     assert refused.startswith(f"refused: name_or_path={HUB_ID!r} revision='v9':"), refused
+
+
+def test_logprobs_are_vllm_logprob_objects_and_still_floats(small_model):
+    """vLLM scripts read `.logprob`, `.rank` and `.decoded_token`; Ponytail's own code reads a float."""
+    import json
+    import pickle
+
+    model, tokenizer = small_model
+    llm = make_llm(small_model)
+    prompt = tokenizer("The weather today is")["input_ids"]
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=1.5, seed=3, logprobs=3, prompt_logprobs=2,
+                                              ignore_eos=True))[0]
+    tokens = out.outputs[0].token_ids
+    model.set_attn_implementation("sdpa")  # LLM switched it to "ponytail"
+    with torch.no_grad():  # the raw distribution at every position, teacher forced
+        logprobs = model(torch.tensor([prompt + tokens])).logits[0].float().log_softmax(-1)
+    ranks = []
+    for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        dist = logprobs[len(prompt) - 1 + step]
+        chosen = entry[token]
+        assert isinstance(chosen, ponytail.Logprob) and chosen.logprob == float(chosen)
+        assert chosen.rank == int((dist >= dist[token]).sum()) and chosen.decoded_token == tokenizer.decode([token])
+        by_rank = sorted(entry.values(), key=lambda lp: lp.rank)  # the top 3, and the chosen one if not among them
+        assert [lp.rank for lp in by_rank][:3] == [1, 2, 3] and len(entry) in (3, 4)
+        assert by_rank[0] == pytest.approx(float(dist.max()), abs=1e-4)
+        ranks.append(chosen.rank)
+    assert max(ranks) > 1, f"every sampled token was the most likely ({ranks}): ranks were not exercised"
+    first = out.prompt_logprobs[1]  # position 0 has none, as in vLLM
+    assert first[prompt[1]].rank == int((logprobs[0] >= logprobs[0, prompt[1]]).sum())
+    assert {lp.decoded_token for lp in first.values()} >= {tokenizer.decode([prompt[1]])}
+    again = pickle.loads(pickle.dumps(chosen))
+    assert (again, again.rank, again.decoded_token) == (chosen, chosen.rank, chosen.decoded_token)
+    assert json.loads(json.dumps({"lp": chosen}))["lp"] == float(chosen) and f"{chosen}" == repr(float(chosen))

@@ -36,7 +36,7 @@ from ..sampling.params import SamplingParams
 from ..runner.inputs import ScheduledChunk
 from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
-from .logprobs import logprob_entry, record_prompt_logprobs
+from .logprobs import TokenTexts, logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
 from .step_sampling import StepBatches
 from ..utils.arith import cdiv
@@ -102,10 +102,9 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
         self._batches = StepBatches(self._generators, self.eos_token_ids)  # each step's SamplingBatch
+        self._texts = TokenTexts(tokenizer)  # logprobs' decoded_token
         self._ids = itertools.count()
-        self._steps = 0
-        self._prefix_queries = 0
-        self._prefix_hits = 0
+        self._steps = self._prefix_queries = self._prefix_hits = 0
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
@@ -261,7 +260,7 @@ class LLMEngine:
         else:
             logits = self.runner.execute(chunks, prev.result.token_ids)
         # Right after the forward (before num_computed_tokens moves): the prompt rows go, the sampling rows stay.
-        logits = record_prompt_logprobs(chunks, logits, sum(1 for chunk in chunks if chunk.samples))
+        logits = record_prompt_logprobs(chunks, logits, sum(1 for chunk in chunks if chunk.samples), self._texts)
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_tokens
         return logits
@@ -328,7 +327,7 @@ class LLMEngine:
                 request.cumulative_logprob += chosen_logprobs[row]
                 request.logprobs = request.logprobs or []
                 request.logprobs.append(logprob_entry(host, row, token, chosen_logprobs[row],
-                                                      request.params.logprobs))
+                                                      request.params.logprobs, self._texts))
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now

@@ -7,10 +7,12 @@ import torch
 
 from ..runner.inputs import ScheduledChunk
 from ..runner.model_runner import prompt_logit_positions
+from ..sampling.logprob import Logprob
 from ..sampling.sampler import prompt_logprobs
 
 
-def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, num_sampling: int) -> torch.Tensor:
+def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, num_sampling: int,
+                           texts: TokenTexts) -> torch.Tensor:
     """Score the prompt positions this step computed for requests that asked for prompt
     logprobs (their logits follow the sampling rows); returns the sampling rows."""
     positions = prompt_logit_positions(chunks)
@@ -21,15 +23,36 @@ def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, n
                                                       zip(requests, positions)],
                               [r.params.prompt_logprobs for r in requests])
     for request, entry in zip(requests, entries):
+        for token, logprob in entry.items():
+            logprob.decoded_token = texts(token)
         request.prompt_logprobs.append(entry)
     return logits[:num_sampling]
 
 
-def logprob_entry(result, row: int, token: int, chosen: float, top: int) -> dict[int, float]:
-    """{token id: logprob} for the chosen token and the row's `top` most likely ones."""
-    entry = {token: chosen}
+def logprob_entry(result, row: int, token: int, chosen: float, top: int, texts: TokenTexts) -> dict[int, Logprob]:
+    """{token id: Logprob} for the chosen token and the row's `top` most likely ones (rank 1 to top)."""
+    rank = int(result.ranks[row]) if result.ranks is not None else None
+    entry = {token: Logprob(chosen, rank, texts(token))}
     if result.top_logprobs is not None and top:  # host tensors (HostSamples)
         values, indices = result.top_logprobs
-        for value, index in zip(values[row, :top].tolist(), indices[row, :top].tolist()):
-            entry.setdefault(index, value)
+        for position, (value, index) in enumerate(zip(values[row, :top].tolist(), indices[row, :top].tolist())):
+            if index not in entry:
+                entry[index] = Logprob(value, position + 1, texts(index))
     return entry
+
+
+class TokenTexts:
+    """Each token id's own text (vLLM's Logprob.decoded_token), decoded once per id; None for
+    every id without a tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token])
+        return text

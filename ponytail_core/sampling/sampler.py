@@ -29,6 +29,7 @@ import torch
 from ..utils.device import to_device
 from .draws import apply_filters, random_tokens
 from .grammar import apply_token_bitmask
+from .logprob import Logprob
 from .params import SamplingParams
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (row index, token id), flat, int64, on the device
@@ -237,6 +238,8 @@ class SamplerOutput:
     top_logprobs: Pairs | None  # ([rows, k] float32 values, [rows, k] int64 ids) of the raw
     # distribution, k = batch.max_logprobs (rows slice their own count); None when none asked
     bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf
+    ranks: torch.Tensor | None = None  # [rows] int64: the chosen token's rank in the raw distribution,
+    # vLLM's Logprob.rank (the tokens at least as likely, itself included: 1 for the most likely), with logprobs
 
     def to_host(self, with_logprobs: bool) -> HostSamples:
         """Queue the copies the engine reads back (tokens, bad rows, logprobs if asked for).
@@ -247,8 +250,9 @@ class SamplerOutput:
         """
         logprobs = self.logprobs if with_logprobs else None
         top = self.top_logprobs if with_logprobs else None
+        ranks = self.ranks if with_logprobs else None
         if self.token_ids.device.type != "cuda":
-            return HostSamples(self.token_ids, self.bad_rows, logprobs, top, None)
+            return HostSamples(self.token_ids, self.bad_rows, logprobs, top, None, ranks)
 
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -257,7 +261,7 @@ class SamplerOutput:
             return host.copy_(t, non_blocking=True)
 
         host = HostSamples(copy(self.token_ids), copy(self.bad_rows), copy(logprobs),
-                           None if top is None else (copy(top[0]), copy(top[1])), torch.cuda.Event())
+                           None if top is None else (copy(top[0]), copy(top[1])), torch.cuda.Event(), copy(ranks))
         host.copied.record()
         return host
 
@@ -271,6 +275,7 @@ class HostSamples:
     logprobs: torch.Tensor | None  # [rows] float32; None when no row asked for logprobs
     top_logprobs: Pairs | None  # as SamplerOutput.top_logprobs, on the host
     copied: torch.cuda.Event | None  # recorded after the device-to-host copies; None on the CPU
+    ranks: torch.Tensor | None = None  # as SamplerOutput.ranks, on the host
 
     def wait(self) -> None:
         """Block until the copies have landed (the step's one host sync)."""
@@ -340,15 +345,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if greedy_tokens is not None:
             tokens = torch.where(batch.greedy, greedy_tokens, tokens)
 
-    chosen = None
+    chosen = ranks = None
     if log_norm is not None:
-        chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1).float() - log_norm
-    return SamplerOutput(token_ids=tokens, logprobs=chosen, top_logprobs=top, bad_rows=bad_rows)
+        chosen_logits = logits.gather(1, tokens.unsqueeze(1)).float()
+        chosen = chosen_logits.squeeze(1) - log_norm
+        ranks = (logits >= chosen_logits).sum(dim=-1)  # vLLM's: tokens at least as likely, itself included
+    return SamplerOutput(token_ids=tokens, logprobs=chosen, top_logprobs=top, bad_rows=bad_rows, ranks=ranks)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, float]]:
-    """Per row of logits [rows, vocab] (positions of prompts): {token id: logprob} of the prompt
-    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens.
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, Logprob]]:
+    """Per row of logits [rows, vocab] (positions of prompts): {token id: Logprob} of the prompt
+    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens, with
+    their ranks (decoded_token is the caller's to fill).
 
     Raw log_softmax in float32, as the sampled tokens' logprobs (vLLM's raw_logprobs). Reads the
     results back: only requests that asked for prompt logprobs pay that host sync.
@@ -358,15 +366,17 @@ def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[i
                          f"top has {len(top)}")
     logprobs = logits.float().log_softmax(dim=-1)
     targets = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+    chosen = logprobs.gather(1, targets.unsqueeze(1))
+    ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # as SamplerOutput.ranks
+    chosen = chosen.squeeze(1).tolist()
     k = min(max(top, default=0), logprobs.shape[1])
     values, ids = (logprobs.topk(k, dim=-1) if k else (None, None))
     values = values.tolist() if k else None
     ids = ids.tolist() if k else None
     entries = []
     for row, (token, logprob) in enumerate(zip(next_token_ids, chosen)):
-        entry = {token: logprob}
+        entry = {token: Logprob(logprob, ranks[row])}
         for index in range(top[row]):
-            entry.setdefault(ids[row][index], values[row][index])
+            entry.setdefault(ids[row][index], Logprob(values[row][index], index + 1))
         entries.append(entry)
     return entries

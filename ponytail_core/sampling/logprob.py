@@ -1,0 +1,33 @@
+"""One entry of a token's logprobs, as vLLM's outputs give it: `.logprob`, `.rank`, `.decoded_token`.
+
+It is also the float it holds, so code that took Ponytail's earlier `{token id: float}` entries
+(arithmetic, JSON, pydantic float fields) keeps working unchanged.
+"""
+
+from __future__ import annotations
+
+
+class Logprob(float):
+    """A log-probability (a float) with vLLM's fields: rank (1 for the most likely token of the
+    raw distribution; ties share the better rank) and decoded_token (the token's text, None
+    without a tokenizer)."""
+
+    __slots__ = ("rank", "decoded_token")
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank = rank
+        self.decoded_token = decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __repr__(self) -> str:
+        return f"Logprob(logprob={float(self)!r}, rank={self.rank!r}, decoded_token={self.decoded_token!r})"
+
+    __str__ = float.__repr__  # str() and f-strings print the number, as for the float it was
+
+    def __reduce__(self):  # pickled with its fields (Ray, the engine's process)
+        return Logprob, (float(self), self.rank, self.decoded_token)
