@@ -243,3 +243,23 @@ def test_llm_from_a_directory_compiles_and_fuses_by_default(monkeypatch, tmp_pat
     assert llm.engine.runner.graphs.replays > 0
     assert libraries and set(libraries) == {torch._C._BlasBackend.Cublaslt}
     assert torch.backends.cuda.preferred_blas_library() == before  # the rest of the process keeps its own
+
+
+def test_logprobs_on_gpu_carry_vllm_ranks(monkeypatch):
+    """The sampler's rank of a sampled token (tokens at least as likely), read back with the logprobs."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    prompt = list(range(5, 45))
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512)
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=2.0, seed=5, logprobs=2,
+                                              ignore_eos=True))[0]
+    tokens = out.outputs[0].token_ids
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt + tokens], device="cuda")).logits[0].float().log_softmax(-1)
+    for step, (token, entry) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+        dist = logprobs[len(prompt) - 1 + step]
+        assert isinstance(entry[token], ponytail.Logprob) and entry[token].decoded_token is None  # no tokenizer
+        # Counted on the engine's logits: a token within float noise of the chosen one may count or not.
+        low, high = int((dist > dist[token] + 1e-3).sum()) + 1, int((dist >= dist[token] - 1e-3).sum())
+        assert low <= entry[token].rank <= high

@@ -115,14 +115,18 @@ def test_logprobs_are_vllm_logprob_objects_and_still_floats(small_model):
         dist = logprobs[len(prompt) - 1 + step]
         chosen = entry[token]
         assert isinstance(chosen, ponytail.Logprob) and chosen.logprob == float(chosen)
-        assert chosen.rank == int((dist >= dist[token]).sum()) and chosen.decoded_token == tokenizer.decode([token])
+        # Counted on the engine's logits: a token within float noise of the chosen one may count or not.
+        low, high = int((dist > dist[token] + 1e-4).sum()) + 1, int((dist >= dist[token] - 1e-4).sum())
+        assert low <= chosen.rank <= high and chosen.decoded_token == tokenizer.decode([token])
         by_rank = sorted(entry.values(), key=lambda lp: lp.rank)  # the top 3, and the chosen one if not among them
         assert [lp.rank for lp in by_rank][:3] == [1, 2, 3] and len(entry) in (3, 4)
         assert by_rank[0] == pytest.approx(float(dist.max()), abs=1e-4)
         ranks.append(chosen.rank)
     assert max(ranks) > 1, f"every sampled token was the most likely ({ranks}): ranks were not exercised"
     first = out.prompt_logprobs[1]  # position 0 has none, as in vLLM
-    assert first[prompt[1]].rank == int((logprobs[0] >= logprobs[0, prompt[1]]).sum())
+    target = logprobs[0, prompt[1]]
+    low, high = int((logprobs[0] > target + 1e-4).sum()) + 1, int((logprobs[0] >= target - 1e-4).sum())
+    assert low <= first[prompt[1]].rank <= high
     assert {lp.decoded_token for lp in first.values()} >= {tokenizer.decode([prompt[1]])}
     again = pickle.loads(pickle.dumps(chosen))
     assert (again, again.rank, again.decoded_token) == (chosen, chosen.rank, chosen.decoded_token)
