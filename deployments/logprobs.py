@@ -2,27 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from ponytail import TokenTexts
 
 from .protocol import TokenLogprob
-
-
-class TokenTexts:
-    """Each token id decoded on its own (what OpenAI's `tokens` hold), memoized: logprob responses
-    repeat the same few thousand ids, and decode() is the costly part."""
-
-    def __init__(self, tokenizer: Any, limit: int = 1 << 16):
-        self.tokenizer = tokenizer
-        self.limit = limit
-        self._texts: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._texts) < self.limit:
-                self._texts[token_id] = text
-        return text
 
 
 def token_logprob(texts: TokenTexts, token_id: int, entry: dict[int, float], top: int) -> TokenLogprob:

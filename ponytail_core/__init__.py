@@ -22,7 +22,7 @@ from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .models.chat_template import check_chat_template_options, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
-from .sampling.logprob import Logprob  # noqa: E402
+from .sampling.logprob import Logprob, TokenTexts  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
 from .sampling.structured import StructuredOutputsParams  # noqa: E402
 from .utils.units import is_seconds  # noqa: E402
@@ -39,6 +39,7 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "Logprob",
+    "TokenTexts",
     "StructuredOutputsParams",
     "check_chat_template_options",
     "render_chat",

@@ -28,7 +28,7 @@ from deployments.prompts import chat_token_ids  # noqa: E402
 from deployments.tool_parsers import HERMES, MISTRAL, tool_call_format  # noqa: E402
 from deployments.tools import plan_structured  # noqa: E402
 from deployments.protocol import ModelInfo  # noqa: E402
-from deployments.logprobs import TokenTexts  # noqa: E402
+from ponytail import TokenTexts  # noqa: E402
 from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
 from deployments.segment_tokens import SegmentCache  # noqa: E402
 

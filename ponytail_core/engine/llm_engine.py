@@ -33,10 +33,11 @@ from .request import PLACEHOLDER_TOKEN, Request, RequestOutput, unpack_prompt
 from ..sampling.grammar import GrammarCompiler, RequestGrammar
 from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
+from ..sampling.logprob import TokenTexts
 from ..runner.inputs import ScheduledChunk
 from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
-from .logprobs import TokenTexts, logprob_entry, record_prompt_logprobs
+from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
 from .step_sampling import StepBatches
 from ..utils.arith import cdiv

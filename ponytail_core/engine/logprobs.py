@@ -7,7 +7,7 @@ import torch
 
 from ..runner.inputs import ScheduledChunk
 from ..runner.model_runner import prompt_logit_positions
-from ..sampling.logprob import Logprob
+from ..sampling.logprob import Logprob, TokenTexts
 from ..sampling.sampler import prompt_logprobs
 
 
@@ -40,19 +40,3 @@ def logprob_entry(result, row: int, token: int, chosen: float, top: int, texts: 
                 entry[index] = Logprob(value, position + 1, texts(index))
     return entry
 
-
-class TokenTexts:
-    """Each token id's own text (vLLM's Logprob.decoded_token), decoded once per id; None for
-    every id without a tokenizer."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def __call__(self, token: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._texts.get(token)
-        if text is None:
-            text = self._texts[token] = self.tokenizer.decode([token])
-        return text
