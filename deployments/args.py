@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from ponytail import DEFAULT_BLOCK_SIZE, ConfigError, check_chat_template_options, is_seconds
+from ponytail import DEFAULT_BLOCK_SIZE, ConfigError, check_chat_template_options, is_chat_template, is_seconds
 
 from .http_guard import API_KEY_ENV, AccessPolicy
 from .limits import RequestLimits
@@ -32,10 +32,6 @@ DEFAULT_SERVED_NAME = "SmolLM2-135M-Instruct"  # the embedded default model's na
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
 CPU_TARGET_ONGOING = 16
-
-
-def _is_template(text: str) -> bool:
-    return "{{" in text or "{%" in text
 
 
 class AppArgs(BaseModel):
@@ -189,7 +185,7 @@ class AppArgs(BaseModel):
     @classmethod
     def _chat_template(cls, value: str | None) -> str | None:
         """The template's text: a path is read here, on the machine that builds the app."""
-        if value is None or _is_template(value):
+        if value is None or is_chat_template(value):
             return value
         path = os.path.expanduser(value)
         if not os.path.isfile(path):
@@ -197,7 +193,7 @@ class AppArgs(BaseModel):
                              "'{%'); allowed: a template's text or the path of a file holding one")
         with open(path, encoding="utf-8") as file:
             text = file.read()
-        if not _is_template(text):
+        if not is_chat_template(text):
             raise ValueError(f"chat_template={value!r}: the file holds no Jinja template (no '{{{{' or '{{%'); "
                              "allowed: a template's text or the path of a file holding one")
         return text

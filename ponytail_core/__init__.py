@@ -19,7 +19,7 @@ from .llm import LLM  # noqa: E402
 from .process_llm import ProcessAsyncLLM  # noqa: E402
 from .engine.stats import EngineStats  # noqa: E402
 from .models.loader import load_model, load_tokenizer  # noqa: E402
-from .models.chat_template import check_chat_template_options, render_chat  # noqa: E402
+from .models.chat_template import check_chat_template_options, is_chat_template, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
 from .sampling.logprob import Logprob, TokenTexts  # noqa: E402
@@ -42,6 +42,7 @@ __all__ = [
     "TokenTexts",
     "StructuredOutputsParams",
     "check_chat_template_options",
+    "is_chat_template",
     "render_chat",
     "Allocation",
     "CacheConfig",

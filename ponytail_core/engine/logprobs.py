@@ -31,7 +31,7 @@ def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, n
 
 def logprob_entry(result, row: int, token: int, chosen: float, top: int, texts: TokenTexts) -> dict[int, Logprob]:
     """{token id: Logprob} for the chosen token and the row's `top` most likely ones (rank 1 to top)."""
-    rank = int(result.ranks[row]) if result.ranks is not None else None
+    rank = result.rank_list[row] if result.rank_list is not None else None
     entry = {token: Logprob(chosen, rank, texts(token))}
     if result.top_logprobs is not None and top:  # host tensors (HostSamples)
         values, indices = result.top_logprobs

@@ -38,6 +38,11 @@ def check_chat_template_options(kwargs: dict[str, Any] | None, add_generation_pr
                           "last message (usually the assistant's) whose content is not empty")
 
 
+def is_chat_template(text: Any) -> bool:
+    """Whether `text` reads as a Jinja template (a `{{` or a `{%`), not a path or a name."""
+    return isinstance(text, str) and ("{{" in text or "{%" in text)
+
+
 def _has_text(content: Any) -> bool:
     return isinstance(content, str) and bool(content.strip())
 
@@ -53,7 +58,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: boo
 
     extra = dict(chat_template_kwargs or {})
     if chat_template is not None:
-        if not isinstance(chat_template, str) or not ("{{" in chat_template or "{%" in chat_template):
+        if not is_chat_template(chat_template):
             raise ConfigError(f"chat_template={chat_template!r:.60} is not a Jinja template (no '{{{{' or '{{%'); "
                               "allowed: a template's text, or None for the tokenizer's")
         extra["chat_template"] = chat_template

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 
 class Logprob(float):
-    """A log-probability (a float) with vLLM's fields: rank (1 for the most likely token of the
-    raw distribution; ties share the better rank) and decoded_token (the token's text, None
-    without a tokenizer)."""
+    """A log-probability (a float) with vLLM's fields: rank (in the raw distribution, the tokens at
+    least as likely, itself included: 1 for the most likely) and decoded_token (the token's text,
+    None without a tokenizer)."""
 
     __slots__ = ("rank", "decoded_token")
 

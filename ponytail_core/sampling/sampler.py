@@ -18,6 +18,7 @@ logprob is therefore the same whatever the sampling settings.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import chain
@@ -276,6 +277,11 @@ class HostSamples:
     top_logprobs: Pairs | None  # as SamplerOutput.top_logprobs, on the host
     copied: torch.cuda.Event | None  # recorded after the device-to-host copies; None on the CPU
     ranks: torch.Tensor | None = None  # as SamplerOutput.ranks, on the host
+
+    @functools.cached_property
+    def rank_list(self) -> list[int] | None:
+        """ranks as a list, made once (after wait()) for every row that reads one."""
+        return None if self.ranks is None else self.ranks.tolist()
 
     def wait(self) -> None:
         """Block until the copies have landed (the step's one host sync)."""
