@@ -8,6 +8,8 @@ refs/main holding <rev>. With HF_HUB_CACHE=<root> and HF_HUB_OFFLINE=1, transfor
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -36,3 +38,12 @@ def offline_env(hf_home: Path) -> dict:
     env = dict(os.environ)
     env.update(HF_HOME=str(hf_home), HF_HUB_CACHE=str(hf_home / "hub"), HF_HUB_OFFLINE="1")
     return env
+
+
+def run_offline(script: str, hf_home: Path) -> str:
+    """Run a Python script in a fresh process pointed at `hf_home` with the hub forbidden (the hub
+    library reads HF_HUB_CACHE and HF_HUB_OFFLINE at import); its stdout, after it exits 0."""
+    done = subprocess.run([sys.executable, "-c", script], env=offline_env(hf_home), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout

@@ -8,7 +8,6 @@ of the test extra). No test contacts a model hub: hub ids load from a cache the 
 import json
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from ponytail.models import loader as model_loader
 from ponytail.errors import ConfigError, PonytailError
 from ponytail.models.hub import is_hub_id
 from ponytail.models.loader import MARKER_FILE, default_checkpoint, load_model, model_source
-from hub_cache import HUB_ID, build_hub_cache, offline_env
+from hub_cache import HUB_ID, build_hub_cache, run_offline
 
 network = pytest.mark.network
 
@@ -200,10 +199,8 @@ def test_a_hub_id_loads_offline_from_the_hub_cache(default_model, tmp_path):
         "print(model.config._name_or_path)\n"
         "print(repr(tokenizer.decode(out[0, inputs['input_ids'].shape[1]:], skip_special_tokens=True)))\n"
     )
-    done = subprocess.run([sys.executable, "-c", script], env=offline_env(tmp_path), capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    name, answer = done.stdout.strip().splitlines()[-2:]
+    stdout = run_offline(script, tmp_path)
+    name, answer = stdout.strip().splitlines()[-2:]
     assert name == HUB_ID
     model, tokenizer = default_model
     inputs = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
