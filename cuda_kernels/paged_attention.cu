@@ -7,6 +7,11 @@
 // b / chunk_blocks. One token's row for one KV head is head_dim contiguous elements; consecutive
 // tokens of one head are num_kv_heads * head_dim elements apart.
 //
+// Sliding windows (Mistral, Gemma 3's local layers): the `_w` decode kernels take `window` and
+// attend a row's last `window` tokens only. Splits then start at the block holding the window's
+// first token, so the work goes with the window, not the row; tokens before it in that block are
+// masked. The kernels without `_w` are the same code with WINDOWED false, compiled as before.
+//
 // Decode: grid (splits, kv_heads * groups, batch), one CTA per (split, KV head, group of up to
 // GROUP query heads sharing that KV head), so every K/V byte is read once per group. Each warp
 // streams its own steps of TOK tokens: a row of head_dim elements is read by LPR lanes with
@@ -140,14 +145,14 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // grid (splits, kv_heads * groups, batch). Dynamic shared memory: the split's block addresses
 // (split_blocks u64), then per warp a ring [STAGES][K, V][SLOTS][32 lanes] of 16-byte vectors;
 // each lane reads back only the vectors it copied itself, so the ring needs no warp barrier.
-template <typename T, int HEAD_DIM, int GROUP, int LOADS, int STAGES, int ROWVECS>
+template <typename T, int HEAD_DIM, int GROUP, int LOADS, int STAGES, int ROWVECS, bool WINDOWED>
 __device__ void paged_decode(
     const T* __restrict__ query, i64 q_batch_stride, i64 q_head_stride,
     T* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
     const u64* __restrict__ chunk_ptrs, const int* __restrict__ block_tables, int table_stride,
     const int* __restrict__ seq_lens, const int* __restrict__ query_lens,
     int num_kv_heads, int group_size, int block_size_log2, int chunk_blocks, int num_blocks,
-    int layer, int max_tokens, int split_tokens, float scale_log2) {
+    int layer, int max_tokens, int split_tokens, float scale_log2, int window) {
     using S = DecodeShape<T, HEAD_DIM, GROUP, LOADS, ROWVECS>;
     constexpr int EPV = S::EPV, NV = S::NV, LPR = S::LPR, VPL = S::VPL, RPW = S::RPW;
     constexpr int ROUNDS = S::ROUNDS, TOK = S::TOK, SLOTS = S::SLOTS;
@@ -168,7 +173,13 @@ __device__ void paged_decode(
     const int row = lane / LPR, col = lane % LPR;
 
     const int n = attended_tokens(seq_lens, query_lens, b, max_tokens);
-    const int t_begin = split * split_tokens;  // block-aligned
+    // With a window: the first token attended (lo) and the block-aligned start of the splits.
+    int lo = 0, base = 0;
+    if constexpr (WINDOWED) {
+        lo = max(0, n - window);
+        base = (lo >> block_size_log2) << block_size_log2;
+    }
+    const int t_begin = base + split * split_tokens;  // block-aligned
     const int t_end = min(t_begin + split_tokens, n);
     if (t_begin >= t_end) {
         // Nothing to attend. With splits the reduction knows which splits ran; alone, write zeros.
@@ -323,6 +334,16 @@ __device__ void paged_decode(
                     for (int g = 0; g < GROUP; ++g) s[r][g] = neg_inf();
                 }
         }
+        if constexpr (WINDOWED) {
+            if (s0 < lo) {  // the first block's tokens before the window
+#pragma unroll
+                for (int r = 0; r < ROUNDS; ++r)
+                    if (s0 + r * RPW + row < lo) {
+#pragma unroll
+                        for (int g = 0; g < GROUP; ++g) s[r][g] = neg_inf();
+                    }
+            }
+        }
 #pragma unroll
         for (int g = 0; g < GROUP; ++g) {
             float mx = s[0][g];
@@ -330,8 +351,9 @@ __device__ void paged_decode(
             for (int r = 1; r < ROUNDS; ++r) mx = fmaxf(mx, s[r][g]);
 #pragma unroll
             for (int off = LPR; off < 32; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-            // mx is finite (row 0 of round 0 is a real token) and warp-uniform, so is this branch;
-            // once the running max settles, steps skip the rescale.
+            // mx is warp-uniform, so is this branch; once the running max settles, steps skip the
+            // rescale. Without a window mx is finite (row 0 of round 0 is a real token); with one a
+            // step before the window has none, and m stays -inf until a step has.
             if (mx > m[g]) {
                 const float alpha = fast_exp2(m[g] - mx);  // 0 on the first step
                 m[g] = mx;
@@ -341,9 +363,11 @@ __device__ void paged_decode(
 #pragma unroll
                     for (int e = 0; e < EPV; ++e) acc[g][k][e] *= alpha;
             }
+            // -inf - -inf would be NaN: with no real token yet every probability is exp2(-inf) = 0.
+            const float m_used = WINDOWED && m[g] == neg_inf() ? 0.f : m[g];
 #pragma unroll
             for (int r = 0; r < ROUNDS; ++r) {
-                s[r][g] = fast_exp2(s[r][g] - m[g]);  // now the probability; 0 for masked rows
+                s[r][g] = fast_exp2(s[r][g] - m_used);  // now the probability; 0 for masked rows
                 l[g] += s[r][g];
             }
         }
@@ -427,18 +451,21 @@ __device__ void paged_decode(
 }
 
 // grid (num_heads, batch), block >= HEAD_DIM threads: combine the splits that ran into the output.
-// Workspace rows are [num_splits] per (batch, head); split s ran iff s * split_tokens < tokens.
-template <typename T, int HEAD_DIM>
+// Workspace rows are [num_splits] per (batch, head); split s ran iff s * split_tokens < the tokens
+// from the splits' start (0, or with a window the block holding its first token) to the row's end.
+template <typename T, int HEAD_DIM, bool WINDOWED>
 __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict__ ws_acc,
                                     const float* __restrict__ ws_ml, const int* __restrict__ seq_lens,
                                     const int* __restrict__ query_lens, int max_tokens,
-                                    int split_tokens, int num_splits) {
+                                    int split_tokens, int num_splits, int block_size_log2, int window) {
     const int h = blockIdx.x, num_heads = gridDim.x, b = blockIdx.y;
     const int d = threadIdx.x;
     if (d >= HEAD_DIM) return;
     const int n = attended_tokens(seq_lens, query_lens, b, max_tokens);
+    int base = 0;
+    if constexpr (WINDOWED) base = (max(0, n - window) >> block_size_log2) << block_size_log2;
     const i64 bh = (i64)b * num_heads + h;
-    const int ran = min(num_splits, (n + split_tokens - 1) / split_tokens);
+    const int ran = min(num_splits, (n - base + split_tokens - 1) / split_tokens);
     const float* ml = ws_ml + bh * num_splits * 2;
     const float* acc = ws_acc + bh * num_splits * HEAD_DIM + d;
     float mx = neg_inf();
@@ -460,11 +487,29 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
             const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
             int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
             int split_tokens, float scale_log2) {                                              \
-        paged_decode<T, D, G, L, S, V>(query, q_batch_stride, q_head_stride, out, ws_acc,      \
-                                       ws_ml, chunk_ptrs, block_tables, table_stride,          \
-                                       seq_lens, query_lens, num_kv_heads, group_size,         \
-                                       block_size_log2, chunk_blocks, num_blocks, layer,       \
-                                       max_tokens, split_tokens, scale_log2);                  \
+        paged_decode<T, D, G, L, S, V, false>(query, q_batch_stride, q_head_stride, out,       \
+                                              ws_acc, ws_ml, chunk_ptrs, block_tables,         \
+                                              table_stride, seq_lens, query_lens,              \
+                                              num_kv_heads, group_size, block_size_log2,       \
+                                              chunk_blocks, num_blocks, layer, max_tokens,     \
+                                              split_tokens, scale_log2, 0);                    \
+    }
+
+// The same with a sliding window: the name ends in _w and `window` comes last.
+#define PONYTAIL_DECODE_WINDOWED(NAME, T, D, G, L, S, V)                                        \
+    extern "C" __global__ void __launch_bounds__(256)                                          \
+        paged_decode_##NAME##_d##D##_g##G##_l##L##s##S##v##V##_w(                              \
+            const T* query, i64 q_batch_stride, i64 q_head_stride, T* out, float* ws_acc,      \
+            float* ws_ml, const u64* chunk_ptrs, const int* block_tables, int table_stride,    \
+            const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
+            int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
+            int split_tokens, float scale_log2, int window) {                                  \
+        paged_decode<T, D, G, L, S, V, true>(query, q_batch_stride, q_head_stride, out,        \
+                                             ws_acc, ws_ml, chunk_ptrs, block_tables,          \
+                                             table_stride, seq_lens, query_lens,               \
+                                             num_kv_heads, group_size, block_size_log2,        \
+                                             chunk_blocks, num_blocks, layer, max_tokens,      \
+                                             split_tokens, scale_log2, window);                \
     }
 
 // The shipped configuration per head size: l4s3v1 (4 CTAs of 4 warps fit one H200 SM).
@@ -476,8 +521,22 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     extern "C" __global__ void paged_decode_reduce_##NAME##_d##D(                               \
         T* out, const float* ws_acc, const float* ws_ml, const int* seq_lens,                  \
         const int* query_lens, int max_tokens, int split_tokens, int num_splits) {             \
-        paged_decode_reduce<T, D>(out, ws_acc, ws_ml, seq_lens, query_lens, max_tokens,        \
-                                  split_tokens, num_splits);                                   \
+        paged_decode_reduce<T, D, false>(out, ws_acc, ws_ml, seq_lens, query_lens, max_tokens, \
+                                         split_tokens, num_splits, 0, 0);                      \
+    }
+
+// The windowed kernels of the shipped configuration.
+#define PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, D)                                             \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 1, 4, 3, 1)                                            \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 2, 4, 3, 1)                                            \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 4, 4, 3, 1)                                            \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 8, 4, 3, 1)                                            \
+    extern "C" __global__ void paged_decode_reduce_##NAME##_d##D##_w(                           \
+        T* out, const float* ws_acc, const float* ws_ml, const int* seq_lens,                  \
+        const int* query_lens, int max_tokens, int split_tokens, int num_splits,               \
+        int block_size_log2, int window) {                                                     \
+        paged_decode_reduce<T, D, true>(out, ws_acc, ws_ml, seq_lens, query_lens, max_tokens,  \
+                                        split_tokens, num_splits, block_size_log2, window);    \
     }
 
 #define PONYTAIL_DECODE_HEAD_SIZES(NAME, T)                                                     \
@@ -487,6 +546,21 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     PONYTAIL_DECODE_GROUPS(NAME, T, 128)                                                        \
     PONYTAIL_DECODE_GROUPS(NAME, T, 256)
 
+#ifdef PONYTAIL_WINDOWED
+// The module of windowed kernels (kernels/loader.py compiles this file a second time with
+// PONYTAIL_WINDOWED defined, only where a model has a window): models without one never pay its
+// compile.
+#define PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(NAME, T)                                            \
+    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 64)                                                \
+    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 80)                                                \
+    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 96)                                                \
+    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 128)                                               \
+    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 256)
+
+PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(bf16, bf16_t)
+PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp16, fp16_t)
+PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp32, float)
+#else
 PONYTAIL_DECODE_HEAD_SIZES(bf16, bf16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp16, fp16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp32, float)
@@ -497,6 +571,7 @@ PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 8, 3, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 8, 3, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 2)
+#endif  // PONYTAIL_WINDOWED
 
 // --------------------------------------------------------------------------- prefill gather
 // grid (max_blocks, batch): one CTA copies table entry j of row b, K and V, every KV head, into
@@ -590,7 +665,9 @@ __device__ void gather_kv_packed(V* __restrict__ k_out, V* __restrict__ v_out,
                             layer);                                                             \
     }
 
+#ifndef PONYTAIL_WINDOWED
 PONYTAIL_GATHER(v16, uint4)
 PONYTAIL_GATHER(v8, uint2)
 PONYTAIL_GATHER(v4, unsigned int)
 PONYTAIL_GATHER(v2, unsigned short)
+#endif

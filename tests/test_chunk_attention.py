@@ -30,8 +30,8 @@ def engine_layout(lengths, heads, kv_heads, head_dim, dtype, device, seed=0):
     return query[0], key[0], value[0], cu
 
 
-def naive(query, key, value, lengths, scale) -> torch.Tensor:
-    """Each chunk causal over itself, fp64, explicit softmax -> [N, Hq, D]."""
+def naive(query, key, value, lengths, scale, window=None) -> torch.Tensor:
+    """Each chunk causal over itself (within `window` positions), fp64, explicit softmax -> [N, Hq, D]."""
     group = query.shape[0] // key.shape[0]
     q, k, v = (t.double().cpu() for t in (query, key, value))
     k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
@@ -39,19 +39,22 @@ def naive(query, key, value, lengths, scale) -> torch.Tensor:
     for length in lengths:
         s = slice(start, start + length)
         scores = torch.einsum("hqd,hkd->hqk", q[:, s], k[:, s]) * scale
-        scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+        hidden = torch.ones(length, length, dtype=torch.bool).triu(1)
+        if window is not None:
+            hidden |= torch.ones(length, length, dtype=torch.bool).tril(-window)
+        scores = scores.masked_fill(hidden, float("-inf"))
         out.append(torch.einsum("hqk,hkd->qhd", scores.softmax(-1), v[:, s]))
         start += length
     return torch.cat(out)
 
 
 def check(lengths, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu", tolerance=1e-6, sdpa=True,
-          varlen="flash"):
+          varlen="flash", window=None):
     query, key, value, cu = engine_layout(lengths, heads, kv_heads, head_dim, dtype, device)
     scale = 1 / math.sqrt(head_dim)
     out = attention_over_new_tokens(query, key, value, equal_length_runs(lengths), cu, max(lengths), scale,
-                                    sdpa=sdpa, varlen=varlen)
-    ref = naive(query, key, value, lengths, scale)
+                                    sdpa=sdpa, varlen=varlen, window=window)
+    ref = naive(query, key, value, lengths, scale, window)
     assert out.shape == (sum(lengths), heads, head_dim) and out.dtype == dtype
     err = ((out.double().cpu() - ref).norm() / ref.norm()).item()
     assert err < tolerance, f"relative error {err:.2e} for lengths {lengths}"
@@ -69,6 +72,13 @@ def test_runs_group_adjacent_equal_lengths():
        kv_heads=st.sampled_from([1, 2]), head_dim=st.sampled_from([8, 64]))
 def test_random_chunks_match_naive(lengths, group, kv_heads, head_dim):
     check(lengths, kv_heads * group, kv_heads, head_dim)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=st.lists(st.integers(1, 40), min_size=1, max_size=7), window=st.integers(1, 45),
+       group=st.sampled_from([1, 3]))
+def test_random_chunks_in_a_sliding_window_match_naive(lengths, window, group):
+    check(lengths, 2 * group, 2, 16, window=window)
 
 
 def test_equal_lengths_are_one_call_and_the_result_lands_in_out():
@@ -130,6 +140,19 @@ def test_gpu_paths_match_the_reference(dtype, lengths, caplog):
         check(lengths, 32, 8, 128, dtype=dtype, device="cuda", tolerance=2e-2)
     many = len(equal_length_runs(lengths)) > chunk_attention.MAX_SDPA_RUNS
     assert ("flash varlen" if many else "torch SDPA") in caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("window", [1, 33, 250])
+def test_gpu_sliding_windows_match_the_reference(dtype, window, caplog):
+    """A window narrower than the longest chunk: flash varlen's left window (fp32: SDPA with a mask)."""
+    chunk_attention._logged.clear()
+    with caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        check([512, 512, 300, 7], 32, 8, 128, dtype=dtype, device="cuda", window=window,
+              tolerance=1e-5 if dtype == torch.float32 else 2e-2)
+    expected = "torch SDPA" if dtype == torch.float32 else "flash varlen over the chunks' own K/V (3 runs in a sliding"
+    assert expected in caplog.text
 
 
 @pytest.mark.gpu

@@ -46,8 +46,9 @@ def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=6
     return cache.storage, tables, seq_lens
 
 
-def reference(storage, layer, query, tables, seq_lens, query_lens, scale) -> torch.Tensor:
-    """fp64 attention, one row at a time, K/V read block by block from the chunks."""
+def reference(storage, layer, query, tables, seq_lens, query_lens, scale, window=None) -> torch.Tensor:
+    """fp64 attention, one row at a time, K/V read block by block from the chunks; window: each
+    query sees the last that many positions up to its own."""
     rows, heads, positions, head_dim = query.shape
     c = storage.config
     group = heads // c.num_kv_heads
@@ -68,7 +69,10 @@ def reference(storage, layer, query, tables, seq_lens, query_lens, scale) -> tor
         scores = q @ k.transpose(1, 2) * scale  # [Hq, T, n]
         j = torch.arange(positions, device="cuda")
         pos = n - positions + j
-        allowed = (torch.arange(n, device="cuda")[None, :] <= pos[:, None]) & (j >= positions - real)[:, None]
+        keys = torch.arange(n, device="cuda")[None, :]
+        allowed = (keys <= pos[:, None]) & (j >= positions - real)[:, None]
+        if window is not None:
+            allowed &= keys > pos[:, None] - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         out[b] = weights @ v

@@ -153,16 +153,6 @@ def test_a_sliding_window_must_be_a_positive_int(small, window):
                         0.125, sliding_window=window)
 
 
-def test_the_cuda_kernels_refuse_a_sliding_window_rather_than_ignore_it(small, monkeypatch):
-    monkeypatch.setattr(kernel_loader, "choose", lambda device: kernel_loader.KernelChoice(True, "CuPy on cuda:0"))
-    with pytest.raises(KernelError, match="sliding_window=8 runs on the torch path only"):
-        paged_attention(small.storage, 0, torch.randn(2, 4, 1, 64), small.block_tables, small.seq_lens, None,
-                        0.125, sliding_window=8)
-    with pytest.raises(KernelError, match="sliding_window=8 runs on the torch path only"):
-        paged_attention_varlen(small.storage, 0, torch.randn(4, 4, 64), torch.tensor([0, 3, 4], dtype=torch.int32),
-                               3, small.block_tables, small.seq_lens, 0.125, sliding_window=8)
-
-
 def test_left_padding_gives_zeros_and_real_positions_match():
     batch = Batch([9, 30, 64, 5], kv_heads=2, head_dim=64, block_size=4, seed=7)
     query_lens = torch.tensor([3, 8, 1, 0], dtype=torch.int32)

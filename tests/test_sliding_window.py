@@ -1,6 +1,6 @@
 """Sliding-window models (Mistral, Gemma 3's local layers, Qwen 2 with use_sliding_window) past
 their window, on the torch path: the plug-in's generate and the engine equal plain transformers
-generate token for token (CPU, fp32); the CUDA kernels, which attend whole rows, refuse them."""
+generate token for token (CPU, fp32). tests/test_gpu_sliding_window.py does the same on CUDA."""
 
 import random
 
@@ -10,8 +10,7 @@ from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, Mi
                           Qwen2ForCausalLM)
 
 import ponytail
-from ponytail import ConfigError, SamplingParams
-from ponytail.kernels import loader as kernel_loader
+from ponytail import SamplingParams
 
 WINDOW = 16
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
@@ -96,29 +95,3 @@ def test_engine_past_the_window_equals_plain_generate(name, settings):
     outputs = llm.generate(prompts, greedy) + llm.generate([follow_up], greedy)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
     assert outputs[-1].num_cached_tokens == 40
-
-
-@pytest.fixture
-def cuda_kernels(monkeypatch):
-    """Attention as it is chosen on a GPU with CuPy (nothing runs on it: the refusal comes first)."""
-    monkeypatch.setattr(kernel_loader, "choose", lambda device: kernel_loader.KernelChoice(True, "CuPy on cuda:0"))
-
-
-@pytest.mark.parametrize("name", list(MODELS))
-def test_the_cuda_kernels_refuse_a_window_before_anything_is_written(name, cuda_kernels):
-    model = make_model(name)
-    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=64, block_size=4)
-    ids, mask = left_padded([9, 5])
-    message = (rf"sliding-window attention \(window {WINDOW}\), which Ponytail's CUDA kernels do not implement yet; "
-               rf"on cpu max_seq_len=64 must be <= {WINDOW} \(the CPU runs any length\)")
-    with pytest.raises(ConfigError, match=message):
-        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0, cache=cache)
-    assert cache.stats().used_blocks == 0
-
-
-def test_a_window_no_row_can_outgrow_is_no_window(cuda_kernels):
-    """max_seq_len within the window: the kernels' whole rows are the window (as before)."""
-    model = make_model("mistral")
-    cache = ponytail.create_cache(model=model, max_batch_size=2, max_seq_len=WINDOW, block_size=4)
-    assert cache.window(WINDOW) is None and cache.window(None) is None
-    cache.check_model(model.model.layers[0].self_attn, torch.zeros(1, 4, 1, 16), torch.zeros(1, 2, 1, 16), WINDOW)

@@ -89,9 +89,3 @@ def check_window(window) -> None:
         raise KernelError(f"sliding_window={window!r} must be None or a positive int (the positions a query "
                           "attends, its own included)")
 
-
-def refuse_window_on_kernels(window: int | None) -> None:
-    """The CUDA kernels attend whole rows; a window there would be silently ignored."""
-    if window is not None:
-        raise KernelError(f"sliding_window={window} runs on the torch path only (the CPU, or "
-                          "PONYTAIL_KERNELS=torch): the CUDA kernels do not implement sliding windows yet")

@@ -85,7 +85,7 @@ class SdpaShapes:
 def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: list[ChunkRun],
                               cu_seq_q: torch.Tensor, max_query_len: int, scale: float,
                               out: torch.Tensor | None = None, sdpa: bool = True,
-                              varlen: str = "flash") -> torch.Tensor:
+                              varlen: str = "flash", window: int | None = None) -> torch.Tensor:
     """Causal attention of packed chunks over themselves.
 
     query [Hq, N, D] and key/value [Hkv, N, D]: the chunks' tokens end to end along N, as views
@@ -93,7 +93,8 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
     cu_seq_q [chunks + 1] int32 holds the same boundaries on the device. Query heads h use KV
     head h // (Hq // Hkv). Returns [N, Hq, D], written into `out` when given (contiguous). sdpa=False: flash
     varlen where it can (the run shapes are new, see SdpaShapes), SDPA only where it cannot.
-    varlen: the varlen kernel, "flash" or "fa4" (fa4.choose_prefill_attention).
+    varlen: the varlen kernel, "flash" or "fa4" (fa4.choose_prefill_attention). window: a sliding
+    window; where it leaves keys out, flash varlen takes it where flash runs, else SDPA with a mask.
     """
     heads, tokens, head_dim = query.shape
     if key.shape[1] != tokens or value.shape != key.shape or heads % key.shape[0]:
@@ -101,11 +102,15 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
                          "must be [heads, tokens, head_dim] with the same tokens and Hq a multiple of Hkv")
     if sum(r.rows * r.length for r in runs) != tokens:
         raise ValueError(f"runs {runs} cover {sum(r.rows * r.length for r in runs)} tokens, query has {tokens}")
-    if (len(runs) > MAX_SDPA_RUNS or not sdpa) and flash_problem(query.device, query.dtype, head_dim) is None:
-        why = "new shapes" if len(runs) <= MAX_SDPA_RUNS else "distinct runs of lengths"
+    narrowed = window is not None and window < max_query_len
+    if (len(runs) > MAX_SDPA_RUNS or not sdpa or narrowed) and flash_problem(query.device, query.dtype,
+                                                                             head_dim) is None:
+        why = "runs in a sliding window" if narrowed else "new shapes" if len(runs) <= MAX_SDPA_RUNS else \
+            "distinct runs of lengths"
         _log(f"{varlen} varlen over the chunks' own K/V ({len(runs)} {why})")
         return flash_varlen(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), cu_seq_q,
-                            cu_seq_q, max_query_len, max_query_len, scale, kernel=varlen, out=out)
+                            cu_seq_q, max_query_len, max_query_len, scale, kernel=varlen, out=out,
+                            window=window if narrowed else None)
     _log(f"torch SDPA over the chunks' own K/V, one call per run of equal lengths ({len(runs)} runs)")
     if out is None:
         out = torch.empty((tokens, heads, head_dim), dtype=query.dtype, device=query.device)
@@ -116,8 +121,11 @@ def attention_over_new_tokens(query: torch.Tensor, key: torch.Tensor, value: tor
         def rows_view(t: torch.Tensor) -> torch.Tensor:  # [H, n * L, D] -> [n, H, L, D], a view
             return t[:, run.start : end].unflatten(1, (run.rows, run.length)).transpose(0, 1)
 
-        o = F.scaled_dot_product_attention(rows_view(query), rows_view(key), rows_view(value), is_causal=True,
-                                           scale=scale, enable_gqa=gqa)
+        mask = None
+        if window is not None and window < run.length:  # causal within the window: key j in (i - window, i]
+            mask = torch.ones(run.length, run.length, dtype=torch.bool, device=query.device).tril_().triu_(1 - window)
+        o = F.scaled_dot_product_attention(rows_view(query), rows_view(key), rows_view(value), attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=gqa)
         out[run.start : end].view(run.rows, run.length, heads, head_dim).copy_(o.transpose(1, 2))
     return out
 

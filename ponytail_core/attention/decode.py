@@ -21,6 +21,7 @@ from ..utils.arith import cdiv
 
 SOURCE = "paged_attention.cu"
 DECODE_HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in paged_attention.cu
+WINDOWED = ("PONYTAIL_WINDOWED",)  # the define that compiles paged_attention.cu's windowed kernels (_w)
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LOG2E = 1.4426950408889634
 
@@ -135,35 +136,44 @@ class DecodePlan:
     smem_bytes: int  # dynamic shared memory of one CTA
 
 
-def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int) -> DecodePlan:
-    """How a decode launch is laid out for this cache, batch and block-table width."""
+def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int,
+                window: int | None = None) -> DecodePlan:
+    """How a decode launch is laid out for this cache, batch and block-table width. With a sliding
+    window the splits cover the blocks a window can touch (window + block_size - 1 tokens at most,
+    from the block holding its first token), not the table's width."""
     c = storage.config
     group_size = heads // c.num_kv_heads
     group = min(LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
     groups = cdiv(group_size, group)
     stages = LAUNCH[f"decode_stages_g{group}"]
     name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
-            f"s{stages}v{LAUNCH['decode_row_vectors']}")
-    kernel = kernel_loader.get_kernel(SOURCE, name, storage.device)
+            f"s{stages}v{LAUNCH['decode_row_vectors']}" + ("" if window is None else "_w"))
+    kernel = kernel_loader.get_kernel(SOURCE, name, storage.device, () if window is None else WINDOWED)
     threads = 32 * LAUNCH["decode_warps"]
     largest = _decode_smem(LAUNCH["max_split_blocks"], group, c.head_dim, stages)
     _allow_smem(kernel, name, storage.device, largest)
     resident = _sm_count(storage.device.index) * _resident_ctas_per_sm(
         kernel, name, storage.device.index, threads, largest)
-    splits, split_tokens = plan_splits(batch * c.num_kv_heads * groups, max_blocks * c.block_size,
-                                       c.block_size, resident)
+    span = max_blocks * c.block_size
+    if window is not None:
+        span = min(span, cdiv(window + c.block_size - 1, c.block_size) * c.block_size)
+    splits, split_tokens = plan_splits(batch * c.num_kv_heads * groups, span, c.block_size, resident)
     return DecodePlan(name, group, groups, splits, split_tokens, threads,
                       _decode_smem(split_tokens // c.block_size, group, c.head_dim, stages))
 
 
-def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale,
+                window: int | None = None) -> torch.Tensor:
+    """window: attend each row's last `window` tokens (the `_w` kernels)."""
     c = storage.config
     batch, heads, _, head_dim = query.shape
     device = storage.device
     if head_dim > 1 and query.stride(-1) != 1:
         query = query.contiguous()
-    plan = decode_plan(storage, batch, heads, block_tables.shape[1])
-    kernel = kernel_loader.get_kernel(SOURCE, plan.kernel_name, device)
+    plan = decode_plan(storage, batch, heads, block_tables.shape[1], window)
+    defines = () if window is None else WINDOWED
+    windowed = () if window is None else (np.int32(window),)
+    kernel = kernel_loader.get_kernel(SOURCE, plan.kernel_name, device, defines)
     max_tokens = block_tables.shape[1] * c.block_size
     out = torch.empty((batch, heads, 1, head_dim), dtype=c.dtype, device=device)
     ws_acc = ws_ml = None
@@ -179,12 +189,13 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
             np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
             np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
             np.int32(storage.chunk_blocks), np.int32(storage.address_blocks), np.int32(layer),
-            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E)),
+            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E), *windowed),
             shared_mem=plan.smem_bytes)
         if plan.splits > 1:
-            reduce = kernel_loader.get_kernel(
-                SOURCE, f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}", device)
+            name = f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}" + ("" if window is None else "_w")
+            reduce = kernel_loader.get_kernel(SOURCE, name, device, defines)
             reduce((heads, batch), (cdiv(head_dim, 32) * 32,), (
                 ptr(out), ptr(ws_acc), ptr(ws_ml), *lengths, np.int32(max_tokens),
-                np.int32(plan.split_tokens), np.int32(plan.splits)))
+                np.int32(plan.split_tokens), np.int32(plan.splits),
+                *(() if window is None else (np.int32(c.block_size.bit_length() - 1), np.int32(window)))))
     return out

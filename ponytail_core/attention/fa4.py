@@ -85,17 +85,20 @@ def _forward_into():
     return forward if forward is not None and "out" in inspect.signature(forward).parameters else None
 
 
-def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out: torch.Tensor | None = None) -> torch.Tensor:
-    """flash_varlen's contract (causal aligned bottom right, GQA) through FlashAttention-4. out: a
-    contiguous [tokens, Hq, D] tensor the result is written into (no copy where the installed
-    version can write there), returned."""
+def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out: torch.Tensor | None = None,
+               window: int | None = None) -> torch.Tensor:
+    """flash_varlen's contract (causal aligned bottom right, GQA, an optional sliding window)
+    through FlashAttention-4. out: a contiguous [tokens, Hq, D] tensor the result is written into
+    (no copy where the installed version can write there), returned."""
     forward = _forward_into() if out is not None else None
     if forward is not None:
+        windowed = {} if window is None else {"window_size_left": window - 1, "window_size_right": 0}
         forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-                softmax_scale=scale, causal=True, out=out)
+                softmax_scale=scale, causal=True, out=out, **windowed)
         return out
     from flash_attn.cute.interface import flash_attn_varlen_func
 
+    windowed = {} if window is None else {"window_size": (window - 1, 0)}
     result = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                                    max_seqlen_k=max_k, softmax_scale=scale, causal=True)[0]
+                                    max_seqlen_k=max_k, softmax_scale=scale, causal=True, **windowed)[0]
     return result if out is None else out.copy_(result)

@@ -48,20 +48,23 @@ def _varlen_api():
 
 
 def flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, kernel: str = "flash",
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, window: int | None = None) -> torch.Tensor:
     """Causal (bottom-right aligned) attention of packed rows; K/V heads may be fewer (GQA).
     A query with no key to attend (its row has fewer keys than queries) comes out zero.
     kernel: "flash" (torch's FlashAttention-2) or "fa4" (FlashAttention-4, fa4.py; every row must
     have at least as many keys as queries, as the engine's chunks have). out: a contiguous
     [tokens, Hq, D] tensor to write the result into (FlashAttention-4 writes there directly, torch's
-    kernel allocates its own and it is copied), returned."""
+    kernel allocates its own and it is copied), returned. window: each query attends only the last
+    `window` positions up to its own (flash's left window of window - 1)."""
     if kernel == "fa4":
-        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out)
+        return fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out=out, window=window)
+    left = -1 if window is None else window - 1
     api = _varlen_api()
     if api is not None:
-        result = api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(-1, 0), enable_gqa=True)
+        result = api(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, window_size=(left, 0), enable_gqa=True)
     else:  # older torch: the same flash kernel through its aten op, which has taken GQA all along
+        windowed = {} if window is None else {"window_size_left": left, "window_size_right": 0}
         result = torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
-                                                         scale=scale)[0]
+                                                         scale=scale, **windowed)[0]
     return result if out is None else out.copy_(result)
 

@@ -130,23 +130,15 @@ class PagedCacheBase(Cache):
         self.paged.write(keys, values, slot_mapping, layer_start=layer_idx)
 
     def window(self, sliding_window: int | None) -> int | None:
-        """The layer's sliding window where it can leave a key out (None where every row fits in it).
-        Refused where the CUDA kernels attend: they would ignore it and answer wrongly."""
+        """The layer's sliding window where it can leave a key out (None where every row fits in it)."""
         if sliding_window is None or sliding_window >= self.config.max_seq_len:
             return None
-        if not self._torch_path:
-            raise ConfigError(f"the model uses sliding-window attention (window {sliding_window}), which Ponytail's "
-                              f"CUDA kernels do not implement yet; on {self.config.device} max_seq_len="
-                              f"{self.config.max_seq_len} must be <= {sliding_window} (the CPU runs any length)")
         return sliding_window
 
     def check_model(self, module, query: torch.Tensor, key: torch.Tensor, sliding_window: int | None) -> None:
         """Refuse a cache built for another model before any token is written or produced."""
         c = self.config
         self._torch_path = not kernel_loader.choose(c.device).use_custom
-        self.window(sliding_window)
-        for layer_window in sliding_windows(getattr(module, "config", None)):
-            self.window(layer_window)  # a later layer's window, refused before layer 0 writes anything
         model_config = getattr(module, "config", None)
         checks = [("num_layers", c.num_layers, getattr(model_config, "num_hidden_layers", c.num_layers)),
                   ("num_kv_heads", c.num_kv_heads, key.shape[1]),
@@ -161,14 +153,3 @@ class PagedCacheBase(Cache):
         if key.device != c.device:
             raise ConfigError(f"this cache lives on {c.device}, the model's K/V on {key.device}")
 
-
-def sliding_windows(model_config) -> set[int]:
-    """The sliding windows a transformers config gives any of its layers (Mistral: all; Gemma 3 and
-    Qwen 2 with use_sliding_window: those whose layer_types entry is "sliding_attention")."""
-    window = getattr(model_config, "sliding_window", None)
-    if not isinstance(window, int) or isinstance(window, bool):
-        return set()
-    layer_types = getattr(model_config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return set()
-    return {window}

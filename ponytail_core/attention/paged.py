@@ -20,7 +20,8 @@ seq_lens[b] == 0 and positions that would sit before position 0 produce zeros.
 cumulative lengths, and the same semantics per row.
 
 `sliding_window=W` narrows what a query attends to the last W positions up to its own (cache
-positions > p - W), on the torch paths; the CUDA kernels raise rather than ignore it.
+positions > p - W), on every path: the decode kernel's `_w` variants (compiled only where a model
+has a window), flash's left window, the masks of the SDPA and torch paths.
 
 Lengths and block ids are checked against the cache when they are CPU tensors; on CUDA that
 would cost a host sync per call, so there the kernels clamp instead (never reading outside the
@@ -34,7 +35,7 @@ import torch
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
 from ..kv.storage import PagedKVStorage
-from .checks import check_args, check_query, check_rows, check_values, check_window, refuse_window_on_kernels
+from .checks import check_args, check_query, check_rows, check_values, check_window
 from .decode import decode_choice, decode_cupy
 from .flash import flash_varlen_problem
 from .prefill_cupy import flash_over_cache, prefill_flash_padded, prefill_sdpa
@@ -51,7 +52,7 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     row's blocks are ignored); seq_lens [B] int32 counts the row's tokens in the cache, new ones
     included; query_lens [B] int32 or None counts its real (right-aligned) query positions.
     Query heads h use KV head h // (Hq // kv_heads). See the module docstring for the semantics.
-    sliding_window: each query attends only the last that many positions up to its own (torch path).
+    sliding_window: each query attends only the last that many positions up to its own.
     """
     check_args(storage, layer, query, block_tables, seq_lens, query_lens, scale)
     check_window(sliding_window)
@@ -69,15 +70,14 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     kernel_loader.log_choice(op, choice)
     if batch == 0:
         return torch.empty_like(query)
+    args = (storage, layer, query, block_tables, seq_lens, query_lens, float(scale), sliding_window)
     if not choice.use_custom:
-        return attention_torch(storage, layer, query, block_tables, seq_lens, query_lens, float(scale),
-                               sliding_window)
-    refuse_window_on_kernels(sliding_window)
+        return attention_torch(*args)
     if positions == 1:
-        return decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+        return decode_cupy(*args)
     if flash:
-        return prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
-    return prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, float(scale))
+        return prefill_flash_padded(*args)
+    return prefill_sdpa(*args)
 
 
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
@@ -115,8 +115,6 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     if query.shape[0] == 0:
         return torch.empty_like(query) if out is None else out
     choice = kernel_loader.choose(storage.device)
-    if choice.use_custom:
-        refuse_window_on_kernels(sliding_window)
     problem = flash_varlen_problem(storage) if choice.use_custom else choice.reason
     if problem is None:
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
@@ -124,7 +122,7 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
         kernel_loader.log_choice("paged_attention varlen prefill",
                                  kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),
-                                varlen, num_keys, out=out)
+                                varlen, num_keys, out=out, window=sliding_window)
     result = _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, scale, choice,
                                sliding_window)
     return result if out is None else out.copy_(result)
@@ -146,7 +144,8 @@ def _varlen_elsewhere(storage, layer, query, cu_seq_q, max_query_len, block_tabl
     # CuPy without flash varlen: the padded entry point (its checks, its gather, its logging).
     padded, row, col = _varlen_to_padded(query, cu_seq_q, max_query_len)
     query_lens = (cu_seq_q[1:] - cu_seq_q[:-1]).to(torch.int32)
-    out = paged_attention(storage, layer, padded.transpose(1, 2), block_tables, seq_lens, query_lens, scale)
+    out = paged_attention(storage, layer, padded.transpose(1, 2), block_tables, seq_lens, query_lens, scale,
+                          sliding_window=window)
     return out.transpose(1, 2)[row, col]
 
 

@@ -62,14 +62,15 @@ def gather_packed(storage: PagedKVStorage, layer: int, block_tables: torch.Tenso
     return k, v
 
 
-def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scale,
+                 window: int | None = None) -> torch.Tensor:
     """[B, Hq, T, D] over a padded gather with an explicit mask (where flash cannot run)."""
     batch, heads, positions, head_dim = query.shape
     kv_heads = storage.config.num_kv_heads
     group = heads // kv_heads
     k, v = gather_padded(storage, layer, block_tables, seq_lens)
     num_keys = k.shape[2]
-    allowed, has_key = allowed_keys(seq_lens, query_lens, positions, num_keys)
+    allowed, has_key = allowed_keys(seq_lens, query_lens, positions, num_keys, window)
     if num_keys == 0:
         return torch.zeros_like(query)
     # A position with nothing to attend gets key 0 (zeroed below) so SDPA never sees an empty row.
@@ -84,11 +85,13 @@ def prefill_sdpa(storage, layer, query, block_tables, seq_lens, query_lens, scal
 
 
 def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, scale,
-                     varlen: str = "flash", num_keys: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+                     varlen: str = "flash", num_keys: int = 0, out: torch.Tensor | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Packed q [N, Hq, D] over the rows' cached K/V: one packed gather, then flash varlen (varlen:
     "flash" or "fa4"). The gather buffer holds num_keys rows (sum(seq_lens), where the caller knows
     it), else as many as the tables can address (an upper bound: the host does not wait for the
-    lengths); FlashAttention-2 reads only each row's cu_k range.
+    lengths); FlashAttention-2 reads only each row's cu_k range. window: a sliding window, applied by
+    the flash kernel (the gather still packs whole rows).
 
     FlashAttention-4 loads whole tiles of keys: past the last row's keys it reads whatever the
     buffer holds there, and a NaN in V makes NaN of a masked score's zero weight. So for "fa4" the
@@ -100,16 +103,18 @@ def flash_over_cache(storage, layer, q, cu_q, max_q, block_tables, seq_lens, sca
     k, v = gather_packed(storage, layer, block_tables, seq_lens, cu_k, capacity)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale, kernel=varlen, out=out)
+    return flash_varlen(q, k, v, cu_q, cu_k, max_q, block_tables.shape[1] * bs, scale, kernel=varlen, out=out,
+                        window=window)
 
 
-def prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale) -> torch.Tensor:
+def prefill_flash_padded(storage, layer, query, block_tables, seq_lens, query_lens, scale,
+                         window: int | None = None) -> torch.Tensor:
     """The [B, Hq, T, D] entry point on the flash path: every row packed as T queries (the
     bottom-right alignment puts padding positions where they belong); padding zeroed afterwards."""
     batch, heads, positions, head_dim = query.shape
     q = query.transpose(1, 2).reshape(batch * positions, heads, head_dim)
     cu_q = torch.arange(0, (batch + 1) * positions, positions, dtype=torch.int32, device=query.device)
-    out = flash_over_cache(storage, layer, q, cu_q, positions, block_tables, seq_lens, scale)
+    out = flash_over_cache(storage, layer, q, cu_q, positions, block_tables, seq_lens, scale, window=window)
     out = out.view(batch, positions, heads, head_dim).transpose(1, 2)
     if query_lens is None:  # flash already gives zeros where a position has no key
         return out

@@ -82,32 +82,34 @@ def log_choice(op: str, choice: KernelChoice) -> None:
         logger.debug("%s: %s (%s)", op, choice.label, choice.reason)
 
 
-def kernel_source(filename: str) -> str:
-    """Source of a `.cu` file, prefixed with #line so compiler errors name the real file."""
+def kernel_source(filename: str, defines: tuple[str, ...] = ()) -> str:
+    """Source of a `.cu` file, after `#define`s of `defines` (one file, several modules: e.g.
+    paged_attention.cu's windowed kernels) and #line so compiler errors name the real file."""
     resource = importlib.resources.files("ponytail.cuda_kernels").joinpath(filename)
-    return f'#line 1 "{resource}"\n' + resource.read_text()
+    return "".join(f"#define {name}\n" for name in defines) + f'#line 1 "{resource}"\n' + resource.read_text()
 
 
 @functools.cache
-def load_module(filename: str, device_index: int):
+def load_module(filename: str, device_index: int, defines: tuple[str, ...] = ()):
     import cupy
 
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=kernel_source(filename), options=("--std=c++17",))
+        module = cupy.RawModule(code=kernel_source(filename, defines), options=("--std=c++17",))
         try:
             module.compile()
         except Exception as exc:
-            raise KernelError(f"compiling {filename} for cuda:{device_index} failed: {exc}") from exc
+            what = filename + "".join(f" -D{name}" for name in defines)
+            raise KernelError(f"compiling {what} for cuda:{device_index} failed: {exc}") from exc
     return module
 
 
-def get_kernel(filename: str, name: str, device: torch.device):
-    return _function(filename, name, device.index)
+def get_kernel(filename: str, name: str, device: torch.device, defines: tuple[str, ...] = ()):
+    return _function(filename, name, device.index, defines)
 
 
 @functools.cache
-def _function(filename: str, name: str, device_index: int):
-    return load_module(filename, device_index).get_function(name)
+def _function(filename: str, name: str, device_index: int, defines: tuple[str, ...] = ()):
+    return load_module(filename, device_index, defines).get_function(name)
 
 
 _cupy_streams: dict[tuple[int, int], object] = {}

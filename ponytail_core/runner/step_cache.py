@@ -99,7 +99,7 @@ class PackedStepCache(PagedCacheBase):
             else:
                 q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
                 decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables,
-                                             step.decode.seq_lens, None, scale)[:, :, 0]
+                                             step.decode.seq_lens, None, scale, sliding_window=window)[:, :, 0]
         if chunks is None:
             return decode_out.unsqueeze(0)
         # Without decode rows the kernel's own output is the answer; with them the prefill rows are
@@ -110,11 +110,11 @@ class PackedStepCache(PagedCacheBase):
         if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
             result = attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
                                                chunks.cu_seq_q, chunks.max_query_len, scale, out=rows,
-                                               sdpa=chunks.sdpa, varlen=self.prefill_varlen)
+                                               sdpa=chunks.sdpa, varlen=self.prefill_varlen, window=window)
         else:
             result = paged_attention_varlen(storage, layer_idx, q_tok[s:], chunks.cu_seq_q, chunks.max_query_len,
                                             chunks.block_tables, chunks.seq_lens, scale, varlen=self.prefill_varlen,
-                                            num_keys=chunks.num_keys, out=rows)
+                                            num_keys=chunks.num_keys, out=rows, sliding_window=window)
         if out is None:
             return result.unsqueeze(0)
         out[:s] = decode_out
