@@ -48,7 +48,7 @@ class AppArgs(BaseModel):
     device: str = Field("auto", description="auto | cuda | cpu: auto takes one GPU per replica when the "
                         "cluster has GPUs")
     kv_cache_memory: int | str | None = Field(None, description="KV cache per replica, bytes or \"4GiB\"; "
-                                              "unset: what the device has free (2 GiB on a CPU)")
+                                              "unset: vLLM's default share of the GPU (2 GiB on a CPU)")
     gpu_memory_utilization: float | None = Field(
         None, description="per replica: a share of the GPU's total memory (weights + KV), as vLLM's; also the "
                           "replica's num_gpus, so 0.45 puts two replicas on one GPU; excludes kv_cache_memory")

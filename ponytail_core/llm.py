@@ -29,7 +29,7 @@ from .utils.arith import cdiv
 logger = logging.getLogger("ponytail.engine")
 
 CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
-GPU_FREE_SHARE = 0.85  # share of the device memory still free after loading the model
+DEFAULT_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization: the KV pool's ceiling (see _default_device_share)
 # A CPU step's time grows with its tokens (and, context_aware_chunks, their context): a long prompt in
 # chunks of this budget keeps the streams beside it within 2x of their usual pause (docs/engine.md),
 # where 2048 stalled them for seconds.
@@ -158,7 +158,10 @@ class LLM:
                               "or None (None: on for CUDA devices when LLM loads the model itself)")
         if not isinstance(keep_prefix_cache, bool):
             raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
-        memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization)
+        # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
+        headroom = (_step_headroom(text_config, max_num_batched_tokens, max_num_seqs,
+                                   next(model.parameters()).element_size()) if device.type == "cuda" else 0)
+        memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization, headroom)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
         config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
@@ -166,9 +169,6 @@ class LLM:
         if device.type == "cuda":
             logger.info("prefill chunks attend through %s", {"fa4": "FlashAttention-4 (flash-attn-4)",
                                                               "flash": "torch's flash varlen"}[prefill_varlen])
-        # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
-        headroom = (_step_headroom(text_config, max_num_batched_tokens, max_num_seqs, config.dtype_size)
-                    if device.type == "cuda" else 0)
         cache = PagedKVCache(config, release_after_s=float(kv_release_after_s), device_headroom_bytes=headroom,
                              enable_prefix_caching=enable_prefix_caching,
                              keep_prefixes=keep_prefix_cache and enable_prefix_caching)
@@ -224,7 +224,8 @@ class LLM:
         return log
 
     @staticmethod
-    def _kv_memory(kv_cache_memory, device: torch.device, gpu_memory_utilization: float | None = None) -> int:
+    def _kv_memory(kv_cache_memory, device: torch.device, gpu_memory_utilization: float | None = None,
+                   headroom: int = 0) -> int:
         if gpu_memory_utilization is not None:
             if kv_cache_memory is not None:
                 raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} and gpu_memory_utilization="
@@ -233,8 +234,7 @@ class LLM:
         if kv_cache_memory is not None:
             return parse_bytes(kv_cache_memory, "kv_cache_memory")
         if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * GPU_FREE_SHARE)
+            return _default_device_share(device, headroom)
         return CPU_DEFAULT_KV_MEMORY
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -335,6 +335,21 @@ def _share_of_device(share: float, device: torch.device) -> int:
         raise ConfigError(f"gpu_memory_utilization={share!r} allows {format_bytes(int(total * share))} of "
                           f"{format_bytes(total)}, but this process already holds {format_bytes(held)} "
                           "(the model): allowed: a larger share")
+    return budget
+
+
+def _default_device_share(device: torch.device, headroom: int) -> int:
+    """The KV pool's default ceiling on CUDA, sized as vLLM's default gpu_memory_utilization=0.9
+    sizes its cache: 90% of the device's total less what this process holds (the weights) and one
+    step's activations (headroom), and never more than is free now less those (another tenant's
+    memory is not ours). A ceiling, not a reservation: the pool grows to it as tokens need it."""
+    free, total = torch.cuda.mem_get_info(device)
+    held = torch.cuda.memory_reserved(device)
+    budget = min(int(total * DEFAULT_GPU_SHARE) - held, free) - headroom
+    if budget <= 0:
+        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(free)} of "
+                          f"{format_bytes(total)} free, this process holds {format_bytes(held)} and a step needs "
+                          f"{format_bytes(headroom)}; allowed: an explicit kv_cache_memory, or a smaller model")
     return budget
 
 

@@ -162,8 +162,11 @@ def test_float32_weights_round_trip_is_exact_and_keeps_each_dtype():
     model = tiny_llama(torch.bfloat16)
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()  # fp32 buffer in a bf16 model
     before = {n: t.clone() for n, t in model.state_dict().items()}
+    storage = {n: p.data_ptr() for n, p in model.named_parameters()}
     with float32_weights(model):
         assert all(p.dtype == torch.float32 for p in model.parameters())
+    # Its own storage back, not a new cast: a cast back fragments the device's allocator (see the docstring).
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == storage
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     for name, tensor in model.state_dict().items():
         assert tensor.dtype == before[name].dtype and torch.equal(tensor, before[name]), name

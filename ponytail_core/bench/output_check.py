@@ -230,20 +230,23 @@ def attention(model, implementation: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def float32_weights(model) -> Iterator[None]:
-    """Cast every floating parameter and buffer to float32 in place, and back afterwards.
+    """Give every floating parameter and buffer a float32 copy while inside, and its own storage back
+    afterwards (each tensor keeps its dtype: rotary buffers are often float32 in a bf16 model).
 
-    bf16 and fp16 values are exact in float32, so the round trip gives back the same weights.
-    Each tensor keeps its own dtype (rotary buffers are often float32 in a bf16 model).
+    The originals stay allocated meanwhile (1.5x the weights for a moment) rather than being cast
+    back: new bf16 tensors carved out of the freed float32 blocks strand about the weights' size in
+    half-used allocator segments that empty_cache cannot return, and an engine built afterwards
+    (which sizes its KV pool by what the device has free) would start ~13 GB short on a 7B.
     """
     tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
-    original = [(t, t.dtype) for t in tensors if t.is_floating_point() and t.dtype != torch.float32]
-    for t, _ in original:
-        t.data = t.data.float()
+    original = [(t, t.data) for t in tensors if t.is_floating_point() and t.dtype != torch.float32]
+    for t, data in original:
+        t.data = data.float()
     try:
         yield
     finally:
-        for t, dtype in original:
-            t.data = t.data.to(dtype)
+        for t, data in original:
+            t.data = data
         _release_memory(model)
 
 
