@@ -160,6 +160,7 @@ def router_arguments(settings: AppArgs) -> dict:
     blocks = {"max_hold_s": float(settings.max_hold_s), "admission": settings.router_admission}
     if settings.router == "prefix":  # tokenizes chat and text prompts with the engine's tokenizer
         return {**blocks, "prefix_weight": float(settings.prefix_weight), "model": settings.model,
+                "revision": settings.revision, "trust_remote_code": settings.trust_remote_code,
                 "chat_template": settings.chat_template,
                 "default_chat_template_kwargs": settings.default_chat_template_kwargs}
     return blocks if settings.router == "kv_blocks" else {}

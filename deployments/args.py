@@ -94,6 +94,10 @@ class AppArgs(BaseModel):
                                 "(vLLM's --enforce-eager); excludes compile_model true")
     seed: int | None = Field(None, ge=0, description="seeds each replica's torch generators, which requests "
                              "without a seed of their own sample from (vLLM's --seed); unset: not seeded")
+    revision: str | None = Field(None, min_length=1, description="a hub id's branch, tag or commit to serve "
+                                 "(vLLM's --revision); its tokenizer and generation_config.json too; unset: main")
+    trust_remote_code: bool = Field(False, description="run the model and tokenizer code a checkpoint ships "
+                                    "(vLLM's --trust-remote-code)")
     compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     fuse_projections: bool | None = Field(None, description="one GEMM for q/k/v and one for gate/up in every "
@@ -170,7 +174,7 @@ class AppArgs(BaseModel):
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
                                                 "generation_config", "chat_template", "tool_call_parser",
                                                 "reasoning_parser", "default_chat_template_kwargs", "enforce_eager",
-                                                "seed")
+                                                "seed", "revision", "trust_remote_code")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 

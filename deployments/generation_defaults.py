@@ -20,14 +20,15 @@ logger = logging.getLogger(__name__)
 FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")  # what vLLM takes from the file too
 
 
-def model_sampling_defaults(source: str | None) -> dict[str, Any]:
-    """The FIELDS the generation_config.json at `source` (a local directory or a cached hub id) sets;
-    {} without one (a .gguf file, a directory without it). A value SamplingParams refuses is left out,
-    with a warning, rather than failing every request that leaves the field unset."""
+def model_sampling_defaults(source: str | None, revision: str | None = None) -> dict[str, Any]:
+    """The FIELDS the generation_config.json at `source` (a local directory or a cached hub id, at
+    `revision` for a hub id: the one the engine loaded) sets; {} without one (a .gguf file, a
+    directory without it). A value SamplingParams refuses is left out, with a warning, rather than
+    failing every request that leaves the field unset."""
     if source is None:
         return {}
     try:
-        config = GenerationConfig.from_pretrained(source, local_files_only=True)
+        config = GenerationConfig.from_pretrained(source, local_files_only=True, revision=revision)
     except (OSError, ValueError):
         return {}
     defaults = {}

@@ -76,6 +76,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         self.prefix_weight = self.PREFIX_WEIGHT
         self.tokenizer: Any = None
         self._tokenizer_model: str | None = None
+        self._tokenizer_options: dict = {}
         self._fingerprint: str | None = None  # the tokenizer's (prompts.tokenizer_fingerprint)
         self.segments: SegmentCache | None = None
         self.template_defaults: dict | None = None  # the app's default_chat_template_kwargs
@@ -83,12 +84,14 @@ class PrefixAffinityRouter(KVBlockRouter):
 
     def initialize_state(self, prefix_weight: float | None = None, model: str | None = None,
                          tokenize: bool = True, tokenizer: Any = None, chat_template: str | None = None,
-                         default_chat_template_kwargs: dict | None = None, **rest):
+                         default_chat_template_kwargs: dict | None = None, revision: str | None = None,
+                         trust_remote_code: bool = False, **rest):
         """Takes KVBlockRouter's request_router_kwargs and prefix_weight (>= 0; 0 ranks like
         KVBlockRouter with cached blocks not counted twice), model (whose tokenizer to load),
         tokenize (False: hash token-id prompts only), tokenizer (tests: one already loaded),
-        chat_template (the app's, which the replicas serve instead of the tokenizer's) and
-        default_chat_template_kwargs (the app's, which the replicas render chats with)."""
+        chat_template (the app's, which the replicas serve instead of the tokenizer's),
+        default_chat_template_kwargs (the app's, which the replicas render chats with), and revision and
+        trust_remote_code (the app's: the tokenizer the engine loaded)."""
         super().initialize_state(**rest)
         if prefix_weight is not None:
             number = isinstance(prefix_weight, (int, float)) and not isinstance(prefix_weight, bool)
@@ -98,6 +101,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         if not isinstance(tokenize, bool):
             raise ValueError(f"request_router_kwargs tokenize={tokenize!r}; expected true or false")
         self._tokenizer_model, self.tokenizer = model, tokenizer
+        self._tokenizer_options = {"revision": revision, "trust_remote_code": trust_remote_code}  # the engine's
         if tokenize and tokenizer is None:
             # Here, once: Ray builds the router at a handle's first call, which waits the second or
             # two this takes; every chat or text prompt after it is hashed as the engine will run it.
@@ -174,7 +178,7 @@ class PrefixAffinityRouter(KVBlockRouter):
 
     def _load_tokenizer(self) -> None:
         try:
-            self.tokenizer = ponytail.load_tokenizer(self._tokenizer_model)
+            self.tokenizer = ponytail.load_tokenizer(self._tokenizer_model, **self._tokenizer_options)
         except Exception as exc:  # the app still serves; chat and text prompts lose their affinity only
             logger.warning("prefix router: no tokenizer for model %r (%s); chat and text prompts route without "
                            "prefix affinity", self._tokenizer_model, exc)

@@ -53,7 +53,7 @@ class EngineReplica:
                  column_major_weights: bool | None = None, chat_template: str | None = None,
                  tool_call_parser: str = "auto", reasoning_parser: str = "auto",
                  default_chat_template_kwargs: dict | None = None, enforce_eager: bool = False,
-                 seed: int | None = None):
+                 seed: int | None = None, revision: str | None = None, trust_remote_code: bool = False):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -63,7 +63,8 @@ class EngineReplica:
         (generation_defaults.py), "ponytail" leaves SamplingParams' defaults. chat_template: the template's
         text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS.
         reasoning_parser: reasoning.REASONING_PARSERS. default_chat_template_kwargs: names every chat's
-        template gets unless the request sets them. enforce_eager, seed: LLM's (vLLM's)."""
+        template gets unless the request sets them. enforce_eager, seed, revision, trust_remote_code:
+        LLM's (vLLM's); the model's generation_config.json is read at the same revision."""
         if generation_config not in ("auto", "ponytail"):  # before seconds of loading
             raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
                                        "(the model's generation_config.json fills unset sampling fields), ponytail")
@@ -81,7 +82,8 @@ class EngineReplica:
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
                           prefill_delay_factor=prefill_delay_factor, fuse_projections=fuse_projections,
                           prefill_attention=prefill_attention, column_major_weights=column_major_weights,
-                          enforce_eager=enforce_eager, seed=seed)
+                          enforce_eager=enforce_eager, seed=seed, revision=revision,
+                          trust_remote_code=trust_remote_code)
         if engine_process is None:
             engine_process = _on_gpu(device)
         # Merged deltas: one Ray message per stream per interval, not one per token. In one process
@@ -105,7 +107,7 @@ class EngineReplica:
             model_alias = short
         served = model_id or root or model_alias or short
         if generation_config == "auto":
-            self.sampling_defaults = model_sampling_defaults(root)
+            self.sampling_defaults = model_sampling_defaults(root, revision)
             if self.sampling_defaults:
                 logger.info("requests that leave them unset sample with the model's generation_config.json: %s "
                             "(generation_config: ponytail turns this off)", self.sampling_defaults)

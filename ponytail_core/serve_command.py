@@ -59,7 +59,8 @@ def add_serve_parser(commands: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     settings = app_args(args)
-    _check_model(settings.model)  # before Ray starts: a bad name fails here, not in every replica
+    # Before Ray starts: a bad name or revision fails here, not in every replica.
+    _check_model(settings.model, settings.revision, settings.trust_remote_code)
     import ray
     from ray import serve
 
@@ -140,17 +141,17 @@ def _describe(error: dict) -> str:
     return f"{flag}={error['input']!r}: {message}"
 
 
-def _check_model(model: str | None) -> None:
-    """Convert the default model once, or find a hub id in the hub cache (downloading it unless
-    HF_HUB_OFFLINE=1), so the replicas start from files already there."""
+def _check_model(model: str | None, revision: str | None, trust_remote_code: bool) -> None:
+    """Convert the default model once, or find a hub id at `revision` in the hub cache (downloading
+    it unless HF_HUB_OFFLINE=1), so the replicas start from files already there."""
     from .models.hub import check_hub_model
-    from .models.loader import default_checkpoint, model_source
+    from .models.loader import default_checkpoint, model_source_at
 
-    source = model_source(model)
+    source = model_source_at(model, revision)
     if source is None:
         default_checkpoint()
     elif isinstance(source, str):
-        check_hub_model(source)
+        check_hub_model(source, revision, trust_remote_code)
 
 
 def _flag(name: str) -> str:

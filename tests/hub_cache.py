@@ -33,6 +33,24 @@ def build_hub_cache(root: Path, checkpoint: Path, repo_id: str = HUB_ID) -> Path
     return root
 
 
+def add_revision(root: Path, tag: str, files: dict[str, str], repo_id: str = HUB_ID) -> str:
+    """A second snapshot of `repo_id` in the cache `root`: refs/main's files, `files` (name -> text)
+    replacing or adding some, under refs/<tag>. Returns its commit hash."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    commit = hashlib.sha1(f"ponytail test snapshot {tag}".encode()).hexdigest()
+    main, snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text(), repo / "snapshots" / commit
+    snapshot.mkdir()
+    for link in sorted(main.iterdir()):
+        if link.name not in files:
+            os.symlink(os.readlink(link), snapshot / link.name)
+    for name, text in files.items():
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        (repo / "blobs" / digest).write_text(text)
+        os.symlink(Path("..", "..", "blobs", digest), snapshot / name)
+    (repo / "refs" / tag).write_text(commit)
+    return commit
+
+
 def offline_env(hf_home: Path) -> dict:
     """This process's environment pointed at `hf_home`, with the hub forbidden."""
     env = dict(os.environ)

@@ -138,6 +138,15 @@ def test_engine_arguments_reach_the_replica_constructor():
     assert set(args) <= set(inspect.signature(EngineReplica.__init__).parameters)
     vllm_like = engine_arguments(AppArgs(enforce_eager=True, seed=3), gpu=True)  # vLLM's --enforce-eager, --seed
     assert (vllm_like["enforce_eager"], vllm_like["seed"], args["enforce_eager"], args["seed"]) == (True, 3, False, None)
+    # vLLM's --revision and --trust-remote-code reach the engine, and the prefix router's tokenizer loads alike.
+    pinned = AppArgs(model="org/model", revision="v2", trust_remote_code=True, router="prefix")
+    assert {k: engine_arguments(pinned, gpu=True)[k] for k in ("revision", "trust_remote_code")} == \
+        {"revision": "v2", "trust_remote_code": True}
+    assert (args["revision"], args["trust_remote_code"]) == (None, False)
+    from deployments.app import router_arguments
+
+    router = router_arguments(pinned)
+    assert (router["model"], router["revision"], router["trust_remote_code"]) == ("org/model", "v2", True)
 
 
 @pytest.mark.parametrize("kwargs, message", [

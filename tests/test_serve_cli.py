@@ -15,7 +15,7 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 from deployments.args import AppArgs  # noqa: E402
-from hub_cache import HUB_ID, build_hub_cache, offline_env  # noqa: E402
+from hub_cache import HUB_ID, REVISION, build_hub_cache, offline_env  # noqa: E402
 from ponytail.cli import main  # noqa: E402
 from serve_support import MODEL, free_port  # noqa: E402
 
@@ -139,8 +139,8 @@ def test_serve_run_refuses_a_mistyped_argument_by_name():
 def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(default_model, tmp_path,
                                                                                  monkeypatch):
     """`serve run deployments.app:build max_replicas=1 ...` (strings, as Serve's CLI passes them)
-    onto a running cluster whose replicas see only a local hub cache, offline; then `ponytail serve
-    --address` attached to that cluster."""
+    onto a running cluster whose replicas see only a local hub cache, offline, pinned to the snapshot's
+    commit (vLLM's --revision); then `ponytail serve --address` attached to that cluster."""
     import ray
     from ray import serve
 
@@ -154,8 +154,9 @@ def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(d
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = [f"model={HUB_ID}", "min_replicas=1", "max_replicas=1", "device=cpu", "kv_cache_memory=256MiB",
-                "max_num_seqs=8", "max_model_len=2048", "compile_model=false", "stream_interval_s=0.02"]
+        args = [f"model={HUB_ID}", f"revision={REVISION}", "min_replicas=1", "max_replicas=1", "device=cpu",
+                "kv_cache_memory=256MiB", "max_num_seqs=8", "max_model_len=2048", "compile_model=false",
+                "stream_interval_s=0.02"]
         done = subprocess.run([SERVE, "run", "--address", ray.get_runtime_context().gcs_address,
                                "--non-blocking", "--name", "ponytail", "deployments.app:build", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)

@@ -7,7 +7,7 @@ import torch
 import ponytail
 from ponytail import ConfigError, SamplingParams
 from ponytail.models.loader import default_checkpoint
-from hub_cache import HUB_ID, REVISION, build_hub_cache, run_offline
+from hub_cache import HUB_ID, REVISION, add_revision, build_hub_cache, run_offline
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
 
@@ -126,3 +126,33 @@ def test_logprobs_are_vllm_logprob_objects_and_still_floats(small_model):
     again = pickle.loads(pickle.dumps(chosen))
     assert (again, again.rank, again.decoded_token) == (chosen, chosen.rank, chosen.decoded_token)
     assert json.loads(json.dumps({"lp": chosen}))["lp"] == float(chosen) and f"{chosen}" == repr(float(chosen))
+
+
+def test_the_served_revision_reaches_the_tokenizer_the_sampling_defaults_and_the_start_check(default_model, tmp_path):
+    """vLLM's --revision for `serve`: the prefix router's tokenizer, the replica's generation_config.json
+    defaults and `ponytail serve`'s check before Ray starts all read the revision the engine loads, offline
+    from a cache laid out as the hub's; main's defaults differ from v2's, so reading main would show."""
+    import json
+
+    build_hub_cache(tmp_path / "hub", default_checkpoint())
+    generation = json.loads((default_checkpoint() / "generation_config.json").read_text())
+    add_revision(tmp_path / "hub", "v2", {"generation_config.json": json.dumps({**generation, "temperature": 0.3,
+                                                                                 "top_p": 0.8})})
+    script = (
+        "import ponytail\n"
+        "from deployments.generation_defaults import model_sampling_defaults\n"
+        "from ponytail.models.hub import check_hub_model\n"
+        f"print(model_sampling_defaults({HUB_ID!r}), model_sampling_defaults({HUB_ID!r}, 'v2'))\n"
+        f"print(len(ponytail.load_tokenizer({HUB_ID!r}, revision='v2')))\n"
+        f"print(check_hub_model({HUB_ID!r}, revision='v2').num_hidden_layers)\n"
+        "try:\n"
+        f"    check_hub_model({HUB_ID!r}, revision='v9')\n"
+        "except ponytail.ConfigError as exc:\n"
+        "    print('refused:', str(exc).splitlines()[0])\n"
+    )
+    defaults, vocab, layers, refused = run_offline(script, tmp_path).strip().splitlines()[-4:]
+    assert defaults == "{} {'temperature': 0.3, 'top_p': 0.8}"
+    assert int(vocab) == len(default_model[1]) and layers == str(default_model[0].config.num_hidden_layers)
+    assert refused.startswith(f"refused: name_or_path={HUB_ID!r} revision='v9':"), refused
+    with pytest.raises(ConfigError, match=r"revision='v2' names a version of a hub id, but name_or_path="):
+        ponytail.load_tokenizer(str(default_checkpoint()), revision="v2")

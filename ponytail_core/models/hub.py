@@ -26,12 +26,13 @@ def is_hub_id(name: str) -> bool:
     return bool(_REPO_ID.match(name)) and "--" not in name and ".." not in name
 
 
-def check_hub_model(repo_id: str) -> Any:
-    """The model's config, read through the hub cache (downloaded if allowed): fails fast and
-    clearly, before a server starts replicas that would each fail on it."""
+def check_hub_model(repo_id: str, revision: str | None = None, trust_remote_code: bool = False) -> Any:
+    """The model's config at `revision`, read through the hub cache (downloaded if allowed): fails
+    fast and clearly, before a server starts replicas that would each fail on it."""
     from transformers import AutoConfig
 
-    return _translate(repo_id, lambda: AutoConfig.from_pretrained(repo_id))
+    return _translate(repo_id, lambda: AutoConfig.from_pretrained(repo_id, revision=revision,
+                                                                  trust_remote_code=trust_remote_code), revision)
 
 
 def load_hub_model(repo_id: str, dtype: torch.dtype, device: torch.device, revision: str | None = None,

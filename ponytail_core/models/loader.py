@@ -78,11 +78,7 @@ def load_model(
     dtype = resolve_dtype(dtype)
     if not isinstance(trust_remote_code, bool):
         raise ConfigError(f"trust_remote_code={trust_remote_code!r} is not supported; allowed: True or False")
-    source = model_source(name_or_path)
-    if revision is not None and not isinstance(source, str):
-        raise ConfigError(f"revision={revision!r} names a version of a hub id, but name_or_path="
-                          f"{str(name_or_path)!r} is {'the default model' if source is None else 'a local file'}; "
-                          "allowed: revision with a hub id (ORG/NAME), or None")
+    source = model_source_at(name_or_path, revision)
     if source is None:
         model, tokenizer = _load_checkpoint(default_checkpoint(), dtype, device)
     elif isinstance(source, str):
@@ -97,22 +93,36 @@ def load_model(
     return _ready(model, tokenizer)
 
 
-def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None) -> Any:
+def load_tokenizer(name_or_path: str | os.PathLike[str] | None = None, *, revision: str | None = None,
+                   trust_remote_code: bool = False) -> Any:
     """The tokenizer load_model would return for `name_or_path`, without loading the weights
     (a router tokenizes prompts the way the engine will). Same arguments and errors."""
     from transformers import AutoTokenizer
 
-    source = model_source(name_or_path)
+    if not isinstance(trust_remote_code, bool):
+        raise ConfigError(f"trust_remote_code={trust_remote_code!r} is not supported; allowed: True or False")
+    source = model_source_at(name_or_path, revision)
     if source is None:
         tokenizer = AutoTokenizer.from_pretrained(default_checkpoint(), local_files_only=True)
     elif isinstance(source, str):  # a hub id: the hub cache, as load_model reads it
-        tokenizer = AutoTokenizer.from_pretrained(source)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=revision, trust_remote_code=trust_remote_code)
     elif source.is_dir():
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, trust_remote_code=trust_remote_code)
     else:
         tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name, local_files_only=True)
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def model_source_at(name_or_path, revision: str | None):
+    """model_source(name_or_path) for a load at `revision`: refused (ConfigError) for anything but
+    a hub id."""
+    source = model_source(name_or_path)
+    if revision is not None and not isinstance(source, str):
+        raise ConfigError(f"revision={revision!r} names a version of a hub id, but name_or_path="
+                          f"{str(name_or_path)!r} is {'the default model' if source is None else 'a local file'}; "
+                          "allowed: revision with a hub id (ORG/NAME), or None")
+    return source
 
 
 def cache_dir() -> Path:
