@@ -31,7 +31,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 # Request fields passed to ponytail.SamplingParams under the same name: OpenAI's, then vLLM's extras.
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed",
                    "stop", "n", "best_of", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
-                   "ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+                   "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "allowed_token_ids", "bad_words")
 
 
 def new_request_id(prefix: str) -> str:
@@ -119,6 +119,8 @@ class _SamplingRequest(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: Annotated[Unsupported, _unsupported(
         lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may take
+    bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
     # vLLM's extras the engine cannot honour yet: refused with their values rather than ignored
@@ -126,9 +128,6 @@ class _SamplingRequest(_Request):
     length_penalty: Annotated[Unsupported, _unsupported(lambda v: v == 1, "length_penalty other than 1")] = None
     priority: Annotated[Unsupported, _unsupported(
         lambda v: v == 0, "priority other than 0 (requests are served first come, first served)")] = None
-    allowed_token_ids: Annotated[Unsupported, _unsupported(
-        lambda v: False, "allowed_token_ids (use logit_bias)")] = None
-    bad_words: Annotated[Unsupported, _unsupported(lambda v: v == [], "bad_words")] = None
     logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
     return_tokens_as_token_ids: Annotated[Unsupported, _unsupported(
         lambda v: v is False, "return_tokens_as_token_ids")] = None

@@ -1,5 +1,6 @@
-"""vLLM's request extras beyond the sampling fields: truncate_prompt_tokens runs (on the real
-engine), and those the engine cannot honour yet are 400s naming them, never silently ignored."""
+"""vLLM's request extras beyond the sampling fields: truncate_prompt_tokens, bad_words and
+allowed_token_ids run (on the real engine), and those the engine cannot honour yet are 400s naming
+them, never silently ignored."""
 
 import pytest
 
@@ -26,8 +27,6 @@ def scripted():
     ({"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
     ({"length_penalty": 0.5}, "length_penalty", "length_penalty other than 1"),
     ({"priority": -1}, "priority", "first come, first served"),
-    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids", "use logit_bias"),
-    ({"bad_words": ["x"]}, "bad_words", "bad_words is not supported"),
     ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
     ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "not supported"),
     ({"cache_salt": "tenant-1"}, "cache_salt", "shared by every request"),
@@ -102,6 +101,31 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
             client.completions.create(prompt=too_long, **args)
         fitted = client.completions.create(prompt=too_long, extra_body={"truncate_prompt_tokens": -1}, **args)
         assert fitted.usage.prompt_tokens == replica.info.max_model_len - 4  # room for max_tokens
+
+
+@pytest.mark.network  # the default model
+def test_bad_words_and_allowed_token_ids_reach_the_engine():
+    """vLLM's extras through the official client: the greedy answer's word is banned, or only a
+    few tokens may be taken; a bad value is a 400 naming it, and the server keeps serving."""
+    from openai_support import served_openai
+
+    with served_openai() as (replica, client, _):
+        args = dict(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0)
+        plain = client.completions.create(prompt="The capital of France is", **args).choices[0].text
+        assert "Paris" in plain
+        banned = client.completions.create(prompt="The capital of France is", extra_body={"bad_words": ["Paris"]},
+                                           **args).choices[0].text
+        assert "Paris" not in banned and banned != plain
+        allowed = replica.tokenizer.convert_tokens_to_ids(["A", "B"])
+        chat = client.chat.completions.create(messages=ASK, extra_body={"allowed_token_ids": allowed}, **args)
+        assert chat.choices[0].message.content and set(chat.choices[0].message.content) <= {"A", "B"}
+        with pytest.raises(openai.BadRequestError, match=r"allowed_token_ids=\[10000000\] are outside the "
+                                                         r"vocabulary: allowed: token ids in \[0, 49152\)"):
+            client.chat.completions.create(messages=ASK, extra_body={"allowed_token_ids": [10**7]}, **args)
+        with pytest.raises(openai.BadRequestError, match=r"bad_words=\[''\] is invalid; allowed: None or a list "
+                                                         r"of non-empty strings"):
+            client.chat.completions.create(messages=ASK, extra_body={"bad_words": [""]}, **args)
+        assert client.completions.create(prompt="The capital of France is", **args).choices[0].text == plain
 
 
 @pytest.mark.network  # the default model

@@ -30,6 +30,7 @@ from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestOutput, unpack_prompt
+from ..sampling.bans import checked_token_bans
 from ..sampling.grammar import GrammarCompiler, RequestGrammar
 from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
@@ -128,10 +129,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
                               "use stop_token_ids")
-        bad_stops = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad_stops:
-            raise ConfigError(f"stop_token_ids={bad_stops[:5]!r:.80} are outside the vocabulary: "
-                              f"allowed: token ids in [0, {self.vocab_size})")
+        params = checked_token_bans(params, self.tokenizer, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
@@ -314,7 +312,8 @@ class LLMEngine:
                 continue
             out = request.output_token_ids
             if bad[row]:
-                self._fail(request, index, "the model produced NaN or inf logits; the request was stopped")
+                self._fail(request, index, "the model produced NaN or inf logits, or the request's allowed_token_ids, "
+                           "bad_words and min_tokens left no token to take; the request was stopped")
                 outputs.append(StepOutput(request, [], "", True, request.done))
                 continue
             out[index] = token

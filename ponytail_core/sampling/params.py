@@ -63,6 +63,10 @@ def _plain(value: float) -> float | int:
     return int(value) if value.is_integer() else value
 
 
+def _token_id(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, Integral) and value >= 0
+
+
 def _bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise _wrong_type(name, value, "True or False")
@@ -73,8 +77,9 @@ def _bool(name: str, value: object) -> bool:
 class SamplingParams:
     """Sampling and stopping rules for one request; the fields, defaults and meanings are vLLM's.
 
-    Processing order in the sampler (vLLM v1): min_tokens mask, penalties, then greedy argmax,
-    or temperature, min_p, top_k, top_p and a random draw.
+    Processing order in the sampler (vLLM v1): allowed_token_ids, bad_words and min_tokens masks,
+    structured outputs, logit_bias, penalties, then greedy argmax, or temperature, min_p, top_k,
+    top_p and a random draw.
     """
 
     n: int = 1  # sequences returned per request
@@ -98,6 +103,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
+    allowed_token_ids: list[int] | None = None  # the only tokens the output may take; None: any
+    bad_words: list[str] | None = None  # words the output may not contain (the engine tokenizes them)
+    # bad_words as token sequences, which the engine fills from bad_words with its tokenizer; may be
+    # given directly (an engine without a tokenizer). A sequence's last token is banned after the rest.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n, f"an integer in [1, {MAX_SAMPLES}]", 1, MAX_SAMPLES)
@@ -138,6 +148,7 @@ class SamplingParams:
                                          f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
 
         self.logit_bias = self._check_logit_bias(self.logit_bias)
+        self._check_bans()
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputsParams.of(self.structured_outputs)
             # The grammar allows only EOS once the JSON is complete: masking EOS (min_tokens) or
@@ -162,6 +173,37 @@ class SamplingParams:
                 raise _invalid("logit_bias", bias, allowed)
             out[int(token)] = float(value)
         return out or None
+
+    def _check_bans(self) -> None:
+        if self.allowed_token_ids is not None:
+            allowed = "None or a non-empty list of token ids (integers >= 0)"
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                raise _wrong_type("allowed_token_ids", self.allowed_token_ids, allowed)
+            if not self.allowed_token_ids or not all(_token_id(t) for t in self.allowed_token_ids):
+                raise _invalid("allowed_token_ids", self.allowed_token_ids, allowed)
+            self.allowed_token_ids = [int(t) for t in self.allowed_token_ids]
+        if self.bad_words is not None:
+            allowed = "None or a list of non-empty strings"
+            if not isinstance(self.bad_words, (list, tuple)):
+                raise _wrong_type("bad_words", self.bad_words, allowed)
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                raise _invalid("bad_words", self.bad_words, allowed)
+            self.bad_words = list(self.bad_words) or None
+        if self.bad_words_token_ids is not None:
+            allowed = "None or a list of non-empty lists of token ids (integers >= 0)"
+            sequences = self.bad_words_token_ids
+            if not isinstance(sequences, (list, tuple)) or not all(
+                    isinstance(q, (list, tuple)) and q and all(_token_id(t) for t in q) for q in sequences):
+                raise _invalid("bad_words_token_ids", sequences, allowed)
+            self.bad_words_token_ids = [[int(t) for t in q] for q in sequences] or None
+
+    @property
+    def named_token_ids(self) -> dict[str, list[int]]:
+        """The token ids these params name, by parameter: an engine checks them against its
+        vocabulary before the request runs."""
+        return {"logit_bias": list(self.logit_bias or ()), "stop_token_ids": self.stop_token_ids,
+                "allowed_token_ids": self.allowed_token_ids or [],
+                "bad_words_token_ids": [t for q in self.bad_words_token_ids or () for t in q]}
 
     @staticmethod
     def _check_stop(stop: object) -> list[str]:

@@ -6,7 +6,8 @@ chosen tokens is the only one). Work no row needs is skipped: penalties when eve
 neutral, the top-k/top-p/min-p filters when no sampled row uses them, the random draw when every
 row is greedy.
 
-Order (vLLM v1): min_tokens mask -> grammar mask (structured outputs) -> logit_bias ->
+Order (vLLM v1): allowed_token_ids, bad_words and min_tokens masks (bans.py) -> grammar mask
+(structured outputs) -> logit_bias ->
 repetition/presence/frequency penalties -> greedy argmax, or
 temperature -> min_p -> top_k -> top_p -> a random draw (on CUDA vLLM's exponential race, argmax of
 probs / Exp(1) noise; on the CPU the inverse CDF, one uniform per row).
@@ -22,13 +23,13 @@ import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import chain
-from numbers import Integral
 
 import numpy as np
 import torch
 
 from ..utils.device import to_device
 from .draws import apply_filters, random_tokens
+from .bans import keep_only_allowed, masked_tokens
 from .grammar import apply_token_bitmask
 from .logprob import Logprob
 from .params import SamplingParams
@@ -74,7 +75,7 @@ class SamplingBatch:
     frequency_penalty: torch.Tensor | None  # [rows, 1] float32; None when every row has 0
     prompt_tokens: Pairs | None  # prompt ids, only for the repetition penalty
     output_tokens: Pairs | None  # generated ids, for any penalty
-    min_tokens_mask: Pairs | None  # stop/EOS tokens of rows still short of min_tokens
+    masked_tokens: Pairs | None  # tokens rows may not take this step (min_tokens, bad_words: bans.py)
     generators: dict[int, torch.Generator]  # sampled rows with their own generator
     any_unseeded: bool  # some sampled row draws from the global generator
     max_logprobs: int | None  # most top logprobs a row asked for; None when no row asked
@@ -82,19 +83,22 @@ class SamplingBatch:
     grammar_rows: torch.Tensor | None = None  # [c] int64: rows constrained by a grammar
     grammar_bitmask: torch.Tensor | None = None  # [c, ceil(vocab/32)] int32: bit t = token t allowed
     logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
+    allowed: tuple[torch.Tensor, Pairs] | None = None  # rows with allowed_token_ids, (i-th such row, token)
+    bad_words: bool = False  # some row has bad words: its masked tokens follow its output
 
     @property
     def writes_logits(self) -> bool:
         """Sampling changes the logits it works on (masks, bias, penalties, temperature): it
         needs its own copy. A greedy batch with none of them reads the model's logits as they are."""
-        return (not self.all_greedy or self.min_tokens_mask is not None or self.grammar_rows is not None
-                or self.logit_bias is not None or self.output_tokens is not None)
+        return (not self.all_greedy or self.masked_tokens is not None or self.grammar_rows is not None
+                or self.logit_bias is not None or self.output_tokens is not None or self.allowed is not None)
 
     @property
     def changes_per_step(self) -> bool:
-        """It holds what the next step may change: the rows' token histories (penalties), a
-        min_tokens mask (rows still short of it) or grammar bitmasks."""
-        return self.output_tokens is not None or self.min_tokens_mask is not None or self.grammar_rows is not None
+        """It holds what the next step may change: the rows' token histories (penalties), masked
+        tokens (rows still short of min_tokens, bad words) or grammar bitmasks."""
+        return (self.output_tokens is not None or self.masked_tokens is not None or self.grammar_rows is not None
+                or self.bad_words)
 
     @classmethod
     def build(
@@ -130,7 +134,9 @@ class SamplingBatch:
         any_penalty = repetition is not None or presence is not None or frequency is not None
         prompt_pairs, output_pairs, largest_seen = _history_pairs(
             prompt_token_ids if repetition is not None else None, output_token_ids if any_penalty else None, device)
-        mask_pairs, largest_stop = _min_tokens_mask(params, output_token_ids, eos_token_id, device)
+        banned = masked_tokens(params, output_token_ids, eos_token_id)
+        mask_pairs, largest_stop = _pairs(banned, device) if any(banned) else (None, -1)
+        allowed, largest_allowed = _allowed(params, device)
         bias, largest_bias = _logit_bias(params, device)
         asked = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -148,14 +154,16 @@ class SamplingBatch:
             frequency_penalty=frequency,
             prompt_tokens=prompt_pairs,
             output_tokens=output_pairs,
-            min_tokens_mask=mask_pairs,
+            masked_tokens=mask_pairs,
             generators=own,
             any_unseeded=len(own) < num_sampled,
             max_logprobs=max(asked) if asked else None,
-            max_token_id=max(largest_seen, largest_stop, largest_bias),
+            max_token_id=max(largest_seen, largest_stop, largest_bias, largest_allowed),
             grammar_rows=None if token_bitmask is None else _tensor(token_bitmask[0], torch.int64, device),
             grammar_bitmask=None if token_bitmask is None else to_device(token_bitmask[1], device),
             logit_bias=bias,
+            allowed=allowed,
+            bad_words=any(p.bad_words_token_ids for p in params),
         )
 
 
@@ -216,17 +224,14 @@ def _logit_bias(params: list[SamplingParams], device: torch.device) -> tuple[tup
     return (pairs, _tensor(values, torch.float32, device)), largest
 
 
-def _min_tokens_mask(params: list[SamplingParams], output_token_ids: list[list[int]],
-                     eos_token_id: int | Collection[int] | None, device: torch.device) -> tuple[Pairs | None, int]:
-    """Stop and EOS tokens of the rows still short of min_tokens, as pairs (None: no such row),
-    and the largest id among them (-1 if none)."""
-    eos = ([] if eos_token_id is None else [int(eos_token_id)]
-           if isinstance(eos_token_id, Integral) else sorted(eos_token_id))
-    stops = [p.stop_token_ids + ([] if p.ignore_eos else eos)
-             if len(out) < p.min_tokens else [] for p, out in zip(params, output_token_ids)]
-    if not any(stops):
+def _allowed(params: list[SamplingParams], device: torch.device) -> tuple[tuple[torch.Tensor, Pairs] | None, int]:
+    """The rows with allowed_token_ids and their tokens as pairs (None: no such row), and the
+    largest id (-1 if none)."""
+    rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if not rows:
         return None, -1
-    return _pairs(stops, device)
+    pairs, largest = _pairs([params[i].allowed_token_ids for i in rows], device)
+    return (_tensor(rows, torch.int64, device), pairs), largest
 
 
 @dataclass
@@ -238,7 +243,7 @@ class SamplerOutput:
     # None when no row asked for logprobs (the logsumexp is a large part of a CPU step's sampling)
     top_logprobs: Pairs | None  # ([rows, k] float32 values, [rows, k] int64 ids) of the raw
     # distribution, k = batch.max_logprobs (rows slice their own count); None when none asked
-    bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf
+    bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf (masks included)
     ranks: torch.Tensor | None = None  # [rows] int64: the chosen token's rank in the raw distribution,
     # vLLM's Logprob.rank (the tokens at least as likely, itself included: 1 for the most likely), with logprobs
 
@@ -333,8 +338,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         log_norm = x.logsumexp(dim=-1)
         values, ids = x.topk(min(batch.max_logprobs, vocab), dim=-1)
         top = (values - log_norm.unsqueeze(1), ids)
-    if batch.min_tokens_mask is not None:
-        x.index_put_(batch.min_tokens_mask, x.new_full((), float("-inf")))  # x[...] = syncs
+    if batch.allowed is not None:
+        keep_only_allowed(x, *batch.allowed)
+    if batch.masked_tokens is not None:
+        x.index_put_(batch.masked_tokens, x.new_full((), float("-inf")))  # x[...] = syncs
+    if batch.allowed is not None or batch.masked_tokens is not None:  # masks that left a row no token
+        bad_rows |= torch.isneginf(x.amax(dim=-1))
     if batch.grammar_rows is not None:
         apply_token_bitmask(x, batch.grammar_rows, batch.grammar_bitmask)
     if batch.logit_bias is not None:  # before penalties, as vLLM's logits processors
