@@ -335,6 +335,7 @@ class _CompletionFormat:
         self.common = dict(id=request_id, created=int(time.time()), model=model)
         self.fingerprint = fingerprint
         self.text_offsets: dict[int, int] = {}  # per choice: where its next streamed piece starts
+        self.tokens_as_ids = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
 
     def start(self, index: int) -> list[BaseModel]:
         return []
@@ -342,7 +343,7 @@ class _CompletionFormat:
     def _logprobs(self, index: int, text: str, items: list[TokenLogprob] | None):
         offset = self.text_offsets.get(index, 0)
         self.text_offsets[index] = offset + len(text)
-        return None if items is None else completion_logprobs(items, offset)
+        return None if items is None else completion_logprobs(items, offset, self.tokens_as_ids)
 
     def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
         return CompletionChunk(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
@@ -375,7 +376,7 @@ class _ChatFormat(_CompletionFormat):
 
     def _delta(self, index: int, delta: ChatDelta, finish_reason: str | None = None,
                items: list[TokenLogprob] | None = None) -> BaseModel:
-        logprobs = None if items is None else chat_logprobs(items)
+        logprobs = None if items is None else chat_logprobs(items, self.tokens_as_ids)
         return self._chunk([ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason, logprobs=logprobs)])
 
     def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
@@ -392,7 +393,7 @@ class _ChatFormat(_CompletionFormat):
 
     def choice(self, index: int, text: str, finish_reason: str | None, items: list[TokenLogprob] | None):
         return ChatChoice(index=index, message=ChatMessage(content=self.echo + text), finish_reason=finish_reason,
-                          logprobs=None if items is None else chat_logprobs(items))
+                          logprobs=None if items is None else chat_logprobs(items, self.tokens_as_ids))
 
     def full(self, choices: list, usage: Usage) -> BaseModel:
         return ChatCompletion(choices=choices, usage=usage, system_fingerprint=self.fingerprint, **self.common)
@@ -479,6 +480,7 @@ class _OpenAIServer:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
                 request_id, req.model or info.model_id, system_fingerprint(info))  # the name it asked for
+            fmt.tokens_as_ids = bool(req.return_tokens_as_token_ids)
             if plan is not None:
                 fmt = ToolCallFormat(fmt, plan)
             if kind is ChatCompletionRequest:

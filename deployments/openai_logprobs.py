@@ -37,17 +37,23 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None
 
 
-def completion_logprobs(items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+def _name(token_id: int, text: str, as_ids: bool) -> str:
+    """How a token is named: its text, or vLLM's "token_id:<id>" (return_tokens_as_token_ids)."""
+    return f"token_id:{token_id}" if as_ids else text
+
+
+def completion_logprobs(items: list[TokenLogprob], text_offset: int, as_ids: bool = False) -> CompletionLogprobs:
     """The legacy shape for `items`, whose text starts at `text_offset` in the choice's text."""
     offsets = []
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token)
     return CompletionLogprobs(
-        tokens=[item.token for item in items],
+        tokens=[_name(item.token_id, item.token, as_ids) for item in items],
         token_logprobs=[None if item.logprob is None else _finite(item.logprob) for item in items],
         top_logprobs=[None if item.logprob is None else
-                      {**{text: _finite(value) for _, text, value in item.top}, item.token: _finite(item.logprob)}
+                      {**{_name(i, text, as_ids): _finite(value) for i, text, value in item.top},
+                       _name(item.token_id, item.token, as_ids): _finite(item.logprob)}
                       for item in items],
         text_offset=offsets)
 
@@ -56,8 +62,8 @@ def _top(token: str, logprob: float) -> TopLogprob:
     return TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
 
 
-def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
+def chat_logprobs(items: list[TokenLogprob], as_ids: bool = False) -> ChatLogprobs:
     return ChatLogprobs(content=[
-        ChatTokenLogprob(**_top(item.token, item.logprob).model_dump(),
-                         top_logprobs=[_top(text, value) for _, text, value in item.top])
+        ChatTokenLogprob(**_top(_name(item.token_id, item.token, as_ids), item.logprob).model_dump(),
+                         top_logprobs=[_top(_name(i, text, as_ids), value) for i, text, value in item.top])
         for item in items])

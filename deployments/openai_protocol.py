@@ -119,6 +119,8 @@ class _SamplingRequest(_Request):
     guided_grammar: str | None = None
     guided_decoding_backend: Annotated[Unsupported, _unsupported(
         lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (tokens whose text alone is not valid UTF-8 stay apart)
+    return_tokens_as_token_ids: bool | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may take
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
@@ -129,8 +131,6 @@ class _SamplingRequest(_Request):
     priority: Annotated[Unsupported, _unsupported(
         lambda v: v == 0, "priority other than 0 (requests are served first come, first served)")] = None
     logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
-    return_tokens_as_token_ids: Annotated[Unsupported, _unsupported(
-        lambda v: v is False, "return_tokens_as_token_ids")] = None
     cache_salt: Annotated[Unsupported, _unsupported(
         lambda v: False, "cache_salt (the prefix cache is shared by every request to the model)")] = None
 

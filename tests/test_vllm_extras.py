@@ -28,7 +28,6 @@ def scripted():
     ({"length_penalty": 0.5}, "length_penalty", "length_penalty other than 1"),
     ({"priority": -1}, "priority", "first come, first served"),
     ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
-    ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids", "not supported"),
     ({"cache_salt": "tenant-1"}, "cache_salt", "shared by every request"),
     ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported"),
     ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
@@ -126,6 +125,29 @@ def test_bad_words_and_allowed_token_ids_reach_the_engine():
                                                          r"of non-empty strings"):
             client.chat.completions.create(messages=ASK, extra_body={"bad_words": [""]}, **args)
         assert client.completions.create(prompt="The capital of France is", **args).choices[0].text == plain
+
+
+@pytest.mark.network  # the default model
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id():
+    from openai_support import served_openai
+
+    with served_openai() as (replica, client, _):
+        args = dict(model="SmolLM2-135M-Instruct", max_tokens=5, temperature=0, logprobs=2)
+        named = client.completions.create(prompt="The capital of France is", **args)
+        by_id = client.completions.create(prompt="The capital of France is", **args,
+                                          extra_body={"return_tokens_as_token_ids": True})
+        ids = replica.tokenizer(named.choices[0].text, add_special_tokens=False)["input_ids"]
+        assert by_id.choices[0].text == named.choices[0].text  # only the logprobs' names change
+        assert by_id.choices[0].logprobs.tokens == [f"token_id:{i}" for i in ids]
+        assert by_id.choices[0].logprobs.token_logprobs == named.choices[0].logprobs.token_logprobs
+        assert all(set(map(str, top)) <= {f"token_id:{i}" for i in range(49152)}
+                   for top in by_id.choices[0].logprobs.top_logprobs)
+        chat = client.chat.completions.create(messages=ASK, model=args["model"], max_tokens=3, temperature=0,
+                                              logprobs=True, top_logprobs=2,
+                                              extra_body={"return_tokens_as_token_ids": True})
+        content = chat.choices[0].logprobs.content
+        assert all(t.token.startswith("token_id:") and len(t.top_logprobs) == 2 for t in content)
+        assert all(top.token.startswith("token_id:") for t in content for top in t.top_logprobs)
 
 
 @pytest.mark.network  # the default model
