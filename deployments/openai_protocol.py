@@ -121,6 +121,8 @@ class _SamplingRequest(_Request):
         lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
     # vLLM's: logprobs name tokens "token_id:<id>" (tokens whose text alone is not valid UTF-8 stay apart)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: only requests with the same salt share cached prompt prefixes (tenants apart)
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may take
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
@@ -131,8 +133,6 @@ class _SamplingRequest(_Request):
     priority: Annotated[Unsupported, _unsupported(
         lambda v: v == 0, "priority other than 0 (requests are served first come, first served)")] = None
     logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
-    cache_salt: Annotated[Unsupported, _unsupported(
-        lambda v: False, "cache_salt (the prefix cache is shared by every request to the model)")] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -393,14 +393,15 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                               max_tokens_to_context=max_tokens is None)
+                               max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
         if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
             sampling["prompt_logprobs"] = req.logprobs
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
-                           echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens)
+                           echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
+                           cache_salt=req.cache_salt)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -153,7 +153,8 @@ class PrefixAffinityRouter(KVBlockRouter):
             # Tokenized here: the replica takes these ids rather than tokenize the prompt again
             # (one tokenizing on a request's path, as under the free-block router).
             request.tokenized = (self._fingerprint, ids)
-        hashes = ponytail.prefix_block_hashes(ids, block_size, max_cached_tokens=len(ids) - 1)
+        hashes = ponytail.prefix_block_hashes(ids, block_size, max_cached_tokens=len(ids) - 1,
+                                              cache_salt=request.cache_salt)
         setattr(context, self._HASHES, (block_size, hashes, tokens))
         return hashes, tokens
 

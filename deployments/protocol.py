@@ -24,6 +24,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     truncate_prompt_tokens: int | None = None  # run only the prompt's last this many tokens (-1: what fits)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which

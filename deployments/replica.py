@@ -171,6 +171,9 @@ class EngineReplica:
                 f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
         if request.max_tokens_to_context and isinstance(prompt, list):
             params = self._to_context(params, len(prompt))
+        if request.cache_salt is not None:  # vLLM's prompt dict carries it to the engine
+            prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt,
+                      "cache_salt": request.cache_salt}
         if params.ranks_samples:  # best_of: which samples are returned is known only at the end
             async for delta in self.async_llm.generate(prompt, params, request.request_id):
                 if delta.finished:

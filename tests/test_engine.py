@@ -228,6 +228,8 @@ def test_invalid_requests_are_refused_with_a_clear_message(small_model, prompt, 
     ({}, r"prompt dict with keys \[\]: allowed: exactly one of \['prompt', 'prompt_token_ids'\]"),
     ({"prompt_token_ids": [1], "multi_modal_data": {}}, r"\(multi_modal_data not supported\)"),
     ({"prompt_token_ids": []}, "prompt must be a non-empty string or list of token ids"),
+    ({"prompt": "hi", "cache_salt": ""}, r"cache_salt='' is invalid; allowed: a non-empty string, or None"),
+    ({"prompt": "hi", "cache_salt": 7}, r"cache_salt=7 is invalid"),
 ])
 def test_vllm_prompt_dicts_are_checked(small_model, prompt, message):
     llm = make_llm(small_model)
@@ -243,6 +245,19 @@ def test_vllm_prompt_dicts_give_what_their_text_or_ids_give(small_model):
     assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
     assert dicts[0].prompt == text and dicts[1].prompt_token_ids == ids
     assert llm.generate({"prompt_token_ids": ids}, GREEDY)[0].token_ids == plain[1].token_ids  # one prompt, no list
+
+
+def test_a_cache_salt_shares_cached_prefixes_only_with_the_same_salt(small_model):
+    """vLLM's prompt-dict cache_salt: a prompt cached under one salt is a miss under another (and
+    without one), a hit under the same; the tokens do not depend on it."""
+    llm = make_llm(small_model)
+    ids = random_prompts(1, seed=6, low=40, high=40)[0]
+    first = llm.generate({"prompt_token_ids": ids, "cache_salt": "a"}, GREEDY)[0]
+    others = llm.generate([{"prompt_token_ids": ids, "cache_salt": "b"}, ids], GREEDY)
+    again = llm.generate({"prompt_token_ids": ids, "cache_salt": "a"}, GREEDY)[0]
+    assert first.num_cached_tokens == 0 and [o.num_cached_tokens for o in others] == [0, 0]
+    assert again.num_cached_tokens > 0
+    assert {tuple(o.token_ids) for o in [first, again, *others]} == {tuple(first.token_ids)}
 
 
 def test_a_refused_prompt_takes_back_the_prompts_added_before_it(small_model):

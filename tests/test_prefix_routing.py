@@ -93,6 +93,26 @@ def test_a_match_on_the_hashes_is_the_engines_prefix_hit():
     exact = PROMPT[:96]
     assert index.match(ponytail.prefix_block_hashes(exact, BS, len(exact) - 1)) == 5
     assert allocator.allocate("third", exact, max_cached_tokens=95).num_cached_tokens == 80
+
+
+def test_a_cache_salt_starts_another_chain_that_the_router_computes_too():
+    """vLLM's cache_salt: only prompts with the same salt hit each other's blocks, in the engine and
+    in the router's index alike, and the salted chain is the same in another process."""
+    from ponytail.kv.blocks import salt_root
+
+    allocator = BlockAllocator(64, BS)
+    publisher = _publisher(allocator)
+    allocator.allocate("a", PROMPT, root_hash=salt_root("tenant-a"))
+    allocator.commit("a", len(PROMPT))
+    stored = [h for h, is_stored in publisher.routing_stats(allocator.num_evictable)["prefix_events"] if is_stored]
+    salted = ponytail.prefix_block_hashes(PROMPT, BS, cache_salt="tenant-a")
+    assert stored == salted and not set(salted) & set(ponytail.prefix_block_hashes(PROMPT, BS))
+    assert allocator.allocate("plain", PROMPT, max_cached_tokens=len(PROMPT) - 1).num_cached_tokens == 0
+    assert allocator.allocate("b", PROMPT, len(PROMPT) - 1, salt_root("tenant-b")).num_cached_tokens == 0
+    assert allocator.allocate("a2", PROMPT, len(PROMPT) - 1, salt_root("tenant-a")).num_cached_tokens == 96
+    code = "import ponytail; print(ponytail.prefix_block_hashes(list(range(1000, 1100)), 16, cache_salt='tenant-a'))"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert other.stdout.strip() == str(salted)
     with pytest.raises(ValueError, match=r"block_size=0 .* an int >= 1"):
         ponytail.prefix_block_hashes(PROMPT, 0)
 

@@ -28,7 +28,7 @@ def scripted():
     ({"length_penalty": 0.5}, "length_penalty", "length_penalty other than 1"),
     ({"priority": -1}, "priority", "first come, first served"),
     ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
-    ({"cache_salt": "tenant-1"}, "cache_salt", "shared by every request"),
+    ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
     ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported"),
     ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
     ({"thinking_token_budget": 100}, "thinking_token_budget", "not supported"),
@@ -125,6 +125,24 @@ def test_bad_words_and_allowed_token_ids_reach_the_engine():
                                                          r"of non-empty strings"):
             client.chat.completions.create(messages=ASK, extra_body={"bad_words": [""]}, **args)
         assert client.completions.create(prompt="The capital of France is", **args).choices[0].text == plain
+
+
+@pytest.mark.network  # the default model
+def test_a_cache_salt_keeps_tenants_prefixes_apart():
+    """The same long prompt: cached for the salt that ran it, not for another salt or none."""
+    from openai_support import served_openai
+
+    with served_openai() as (replica, client, _):
+        prompt = " ".join(f"word{i}" for i in range(120))
+        args = dict(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=2, temperature=0)
+
+        def cached(salt):
+            usage = client.completions.create(**args, extra_body={} if salt is None else {"cache_salt": salt}).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        assert cached("tenant-a") == 0
+        assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none: a miss
+        assert cached("tenant-a") > 0 and cached(None) > 0  # the same salt, or none again: a hit
 
 
 @pytest.mark.network  # the default model

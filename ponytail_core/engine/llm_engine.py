@@ -133,9 +133,10 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
-        token_ids = self._prompt_token_ids(prompt := unpack_prompt(prompt))
+        prompt, salt = unpack_prompt(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                          prompt_token_ids=token_ids, params=params, eos_token_ids=self.eos_token_ids)
+                          prompt_token_ids=self._prompt_token_ids(prompt), params=params,
+                          eos_token_ids=self.eos_token_ids, cache_salt=salt)
         start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it
         self.scheduler.check_fits(request)  # refuses what can never fit
         if params.structured_outputs is not None:

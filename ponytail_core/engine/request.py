@@ -77,6 +77,7 @@ class Request:
     index: int = 0
     group: SampleGroup | None = None
     cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs (when they are computed)
+    cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
 
     @property
     def done(self) -> bool:
@@ -238,17 +239,24 @@ class RequestOutput:
 
 
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt and TokensPrompt
+OPTIONAL_PROMPT_KEYS = ("cache_salt",)  # vLLM's too
 
 
-def unpack_prompt(prompt):
-    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, as the text or ids they
-    hold; anything else as given (the engine checks it). Keys for inputs Ponytail does not take
-    (multi_modal_data, prompt_embeds, ...) are refused, never dropped."""
+def unpack_prompt(prompt) -> tuple[object, str | None]:
+    """vLLM's prompt dicts, {"prompt": text} or {"prompt_token_ids": ids}, with an optional
+    "cache_salt" (a non-empty string: only prompts with the same salt share cached prefix blocks),
+    as (the text or ids they hold, the salt); anything else as (itself, None) (the engine checks
+    it). Keys for inputs Ponytail does not take (multi_modal_data, prompt_embeds, ...) are refused,
+    never dropped."""
     if not isinstance(prompt, dict):
-        return prompt
+        return prompt, None
     given = [key for key in PROMPT_KEYS if key in prompt]
-    extra = sorted(set(prompt) - set(PROMPT_KEYS))
+    extra = sorted(set(prompt) - set(PROMPT_KEYS) - set(OPTIONAL_PROMPT_KEYS))
     if extra or len(given) != 1:
         raise ConfigError(f"prompt dict with keys {sorted(prompt)}: allowed: exactly one of {list(PROMPT_KEYS)}"
+                          f", and optionally {list(OPTIONAL_PROMPT_KEYS)}"
                           + (f" ({', '.join(extra)} not supported)" if extra else ""))
-    return prompt[given[0]]
+    salt = prompt.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ConfigError(f"cache_salt={salt!r:.80} is invalid; allowed: a non-empty string, or None")
+    return prompt[given[0]], salt

@@ -212,7 +212,8 @@ class Scheduler:
             max_cached = len(tokens) - 1
             if request.prompt_logits_from is not None:
                 max_cached = min(max_cached, request.prompt_logits_from)
-            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=max_cached)
+            result = self.cache.allocate(request.request_id, tokens, max_cached_tokens=max_cached,
+                                         cache_salt=request.cache_salt)
             if not result:
                 break
             if self.running and self.cache.available_blocks < self.watermark_blocks:

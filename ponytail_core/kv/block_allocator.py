@@ -106,17 +106,17 @@ class BlockAllocator:
         return slots
 
     # ------------------------------------------------------------- allocation
-    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
+    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None,
+                 root_hash: int | None = None) -> Allocation | NoRoom:
         """Give a new sequence blocks for `token_ids`, reusing cached full blocks of its prefix.
-
-        `max_cached_tokens` caps the reuse (an engine must still compute a prompt's last token).
-        """
+        `max_cached_tokens` caps the reuse (an engine must still compute a prompt's last token);
+        root_hash starts the chain (blocks.salt_root: another salt, other hashes)."""
         if seq_id in self._seqs:
             raise ValueError(f"seq_id={seq_id!r} is already allocated; free it or use append()")
         token_ids = list(token_ids)
         bs = self.block_size
         hits: list[int] = []
-        prev_hash: int | None = None
+        prev_hash = root_hash
         limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
         if self.enable_prefix_caching:  # the chain prefix_block_hashes (blocks.py) computes elsewhere
             for start in range(0, limit - bs + 1, bs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -54,8 +55,16 @@ def chain_hash(prev_hash: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((ROOT_HASH if prev_hash is None else prev_hash, token_ids))
 
 
+def salt_root(cache_salt: str | None) -> int | None:
+    """Where a salted prompt's chain starts (None: the shared ROOT_HASH). A digest, not hash(): a
+    str's hash changes from process to process, and a router must compute what an engine caches."""
+    if cache_salt is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(cache_salt.encode(), digest_size=8).digest(), "little", signed=True)
+
+
 def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int,
-                        max_cached_tokens: int | None = None) -> list[int]:
+                        max_cached_tokens: int | None = None, cache_salt: str | None = None) -> list[int]:
     """The chain hashes BlockAllocator.allocate looks up for a prompt's full blocks, up to
     `max_cached_tokens` tokens, in order.
 
@@ -66,7 +75,7 @@ def prefix_block_hashes(token_ids: list[int] | tuple[int, ...], block_size: int,
         raise ValueError(f"block_size={block_size!r} is not supported; allowed: an int >= 1")
     limit = len(token_ids) if max_cached_tokens is None else min(len(token_ids), max_cached_tokens)
     hashes: list[int] = []
-    prev_hash: int | None = None
+    prev_hash = salt_root(cache_salt)
     for start in range(0, limit - block_size + 1, block_size):
         prev_hash = chain_hash(prev_hash, tuple(token_ids[start : start + block_size]))
         hashes.append(prev_hash)

@@ -15,7 +15,7 @@ import torch
 
 from . import cache_ops
 from .block_allocator import BlockAllocator
-from .blocks import Allocation, NoRoom
+from .blocks import Allocation, NoRoom, salt_root
 from .config import CacheConfig
 from .storage import PagedKVStorage
 from ..utils.arith import cdiv
@@ -90,13 +90,16 @@ class PagedKVCache:
         self.grow(initial_chunks)
 
     # ------------------------------------------------------------ sequences
-    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None) -> Allocation | NoRoom:
-        """Blocks for a new sequence's tokens; `num_cached_tokens` of them are already stored."""
+    def allocate(self, seq_id, token_ids: list[int], max_cached_tokens: int | None = None,
+                 cache_salt: str | None = None) -> Allocation | NoRoom:
+        """Blocks for a new sequence's tokens; `num_cached_tokens` of them are already stored (only
+        blocks cached under the same cache_salt are found)."""
         if self.keep_prefixes:
             self._grow_before_evicting(cdiv(len(token_ids), self.config.block_size))
-        result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
+        root = salt_root(cache_salt)
+        result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens, root)
         if isinstance(result, NoRoom) and self._grow_for(result):
-            result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens)
+            result = self.allocator.allocate(seq_id, token_ids, max_cached_tokens, root)
         return result
 
     def append(self, seq_id, token_ids: list[int]) -> Allocation | NoRoom:
