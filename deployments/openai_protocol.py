@@ -279,7 +279,7 @@ class ChatCompletionRequest(_SamplingRequest):
     include_reasoning: bool = True  # False: a reasoning model's thinking is left out of the answer
     chat_template: Annotated[Unsupported, _unsupported(
         lambda v: False, "chat_template per request (the server's chat_template sets it)")] = None
-    documents: Annotated[Unsupported, _unsupported(lambda v: False, "documents")] = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: passed to templates that take them (RAG)
     add_special_tokens: Annotated[Unsupported, _unsupported(
         lambda v: v is False, "add_special_tokens=true on chat (the template writes the special tokens)")] = None
     thinking_token_budget: Annotated[Unsupported, _unsupported(lambda v: False, "thinking_token_budget")] = None
@@ -393,7 +393,8 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
-                               max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt)
+                               max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
+                               documents=req.documents)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs

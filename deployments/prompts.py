@@ -51,7 +51,7 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
     tokenizer's), the pieces between special tokens seen lately are not tokenized again."""
     options = {} if request is None else {
         "chat_template_kwargs": request.chat_template_kwargs, "add_generation_prompt": request.add_generation_prompt,
-        "continue_final_message": request.continue_final_message}
+        "continue_final_message": request.continue_final_message, "documents": request.documents}
     if segments is not None and segments.usable:  # what apply_chat_template(tokenize=True) tokenizes, in pieces
         return segments.encode(render_chat(tokenizer, messages, tokenize=False, tools=tools, **options))
     return render_chat(tokenizer, messages, tokenize=True, tools=tools, **options)

@@ -18,6 +18,7 @@ class GenerateRequest:
     messages: list[dict[str, Any]] | None = None  # chat messages; the replica applies the chat template
     sampling: dict[str, Any] = field(default_factory=dict)  # ponytail.SamplingParams fields
     tools: list[dict[str, Any]] | None = None  # OpenAI tool definitions, for the chat template
+    documents: list[dict[str, str]] | None = None  # vLLM's: for templates that take them (RAG)
     # The chat template's options (vLLM's request fields): names it reads (enable_thinking, ...),
     # whether to open the assistant's answer, or to continue the last message as it stands.
     chat_template_kwargs: dict[str, Any] | None = None

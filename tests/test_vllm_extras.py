@@ -29,7 +29,6 @@ def scripted():
     ({"priority": -1}, "priority", "first come, first served"),
     ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
     ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
-    ({"documents": [{"title": "a", "text": "b"}]}, "documents", "not supported"),
     ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
     ({"thinking_token_budget": 100}, "thinking_token_budget", "not supported"),
     ({"prompt_logprobs": 1}, "prompt_logprobs", "completions: echo with logprobs"),
@@ -143,6 +142,29 @@ def test_a_cache_salt_keeps_tenants_prefixes_apart():
         assert cached("tenant-a") == 0
         assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none: a miss
         assert cached("tenant-a") > 0 and cached(None) > 0  # the same salt, or none again: a hit
+
+
+DOCUMENTS_TEMPLATE = ("{% for d in documents or [] %}<doc {{ d.title }}>{{ d.text }}</doc>\n{% endfor %}"
+                      "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                      "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.network  # the default model
+def test_documents_reach_a_template_that_reads_them():
+    """vLLM's chat `documents` (RAG templates: Command R, Granite) go to the chat template as
+    transformers passes them: the prompt counts the documents' tokens."""
+    from deployments.local_server import local_server
+
+    docs = [{"title": "capitals", "text": "The capital of France is Paris."}]
+    with local_server(chat_template=DOCUMENTS_TEMPLATE) as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            args = dict(model=replica.info.model_id, messages=ASK, max_tokens=1, temperature=0)
+            plain = client.chat.completions.create(**args).usage.prompt_tokens
+            with_docs = client.chat.completions.create(**args, extra_body={"documents": docs}).usage.prompt_tokens
+    rendered = replica.tokenizer.apply_chat_template(ASK, documents=docs, add_generation_prompt=True, tokenize=False,
+                                                     chat_template=DOCUMENTS_TEMPLATE)
+    assert rendered.startswith("<doc capitals>The capital of France is Paris.</doc>")
+    assert with_docs == len(replica.tokenizer(rendered, add_special_tokens=False)["input_ids"]) > plain
 
 
 @pytest.mark.network  # the default model

@@ -50,10 +50,11 @@ def _has_text(content: Any) -> bool:
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: bool,
                 tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
                 continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-                chat_template: str | None = None) -> str | list[int]:
+                chat_template: str | None = None, documents: list[dict[str, str]] | None = None) -> str | list[int]:
     """The template applied: its text, or with tokenize its token ids (the template writes the
     special tokens; none are added). ConfigError for a refused conversation. chat_template: a
-    template's text to use instead of the tokenizer's."""
+    template's text to use instead of the tokenizer's. documents: for templates that take them
+    (RAG: Command R, Granite), as transformers passes them."""
     import jinja2
 
     extra = dict(chat_template_kwargs or {})
@@ -64,6 +65,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], *, tokenize: boo
         extra["chat_template"] = chat_template
     if tools:  # only when given: tokenizers without tool support keep working
         extra["tools"] = tools
+    if documents:
+        extra["documents"] = documents
     if continue_final_message:
         extra["continue_final_message"] = True
     try:
