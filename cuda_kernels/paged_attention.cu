@@ -539,28 +539,26 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
                                         split_tokens, num_splits, block_size_log2, window);    \
     }
 
-#define PONYTAIL_DECODE_HEAD_SIZES(NAME, T)                                                     \
-    PONYTAIL_DECODE_GROUPS(NAME, T, 64)                                                         \
-    PONYTAIL_DECODE_GROUPS(NAME, T, 80)                                                         \
-    PONYTAIL_DECODE_GROUPS(NAME, T, 96)                                                         \
-    PONYTAIL_DECODE_GROUPS(NAME, T, 128)                                                        \
-    PONYTAIL_DECODE_GROUPS(NAME, T, 256)
+// Every decode head size (attention/decode.py's DECODE_HEAD_DIMS) of one GROUPS macro's kernels.
+#define PONYTAIL_FOR_HEAD_SIZES(GROUPS, NAME, T)                                                \
+    GROUPS(NAME, T, 64)                                                                         \
+    GROUPS(NAME, T, 80)                                                                         \
+    GROUPS(NAME, T, 96)                                                                         \
+    GROUPS(NAME, T, 128)                                                                        \
+    GROUPS(NAME, T, 256)
 
 #ifdef PONYTAIL_WINDOWED
 // The module of windowed kernels (kernels/loader.py compiles this file a second time with
 // PONYTAIL_WINDOWED defined, only where a model has a window): models without one never pay its
 // compile.
-#define PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(NAME, T)                                            \
-    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 64)                                                \
-    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 80)                                                \
-    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 96)                                                \
-    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 128)                                               \
-    PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, 256)
+#define PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(NAME, T) PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_WINDOWED_GROUPS, NAME, T)
 
 PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(bf16, bf16_t)
 PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp16, fp16_t)
 PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp32, float)
 #else
+#define PONYTAIL_DECODE_HEAD_SIZES(NAME, T) PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_GROUPS, NAME, T)
+
 PONYTAIL_DECODE_HEAD_SIZES(bf16, bf16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp16, fp16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp32, float)

@@ -4,6 +4,7 @@ reference (marked gpu: skipped without CUDA). Run with -s to see the errors of e
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 import logging
 import math
 
@@ -237,6 +238,42 @@ def test_prefill_positions_before_the_first_token_are_zero():
     assert torch.all(out[0, :, :4] == 0) and torch.all(out[0, :, 4:].abs().sum(-1) > 0)
 
 
+VARLEN_LENGTHS = [300, 17, 0, 1000, 64, 1, 2000]  # cached tokens per row, the row's new ones included
+VARLEN_COUNTS = [300, 5, 0, 1, 64, 1, 700]  # of which new (queries): a whole prompt, chunks, decode rows
+
+
+@dataclass
+class VarlenCase:
+    """Rows of queries packed end to end over a cache (the engine's varlen call), head_dim 128."""
+
+    storage: object
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query: torch.Tensor  # [rows, heads, width, 128]: row b's queries are its last counts[b] positions
+    packed: torch.Tensor  # [sum(counts), heads, 128]
+    cu: torch.Tensor  # [rows + 1] int32
+    width: int
+    num_keys: int = sum(VARLEN_LENGTHS)
+
+    @staticmethod
+    def counts_tensor() -> torch.Tensor:
+        return torch.tensor(VARLEN_COUNTS, device="cuda")
+
+
+def varlen_case(dtype, heads: int, seed: int) -> VarlenCase:
+    storage, tables, seq_lens = make_batch(VARLEN_LENGTHS, kv_heads=2, head_dim=128, dtype=dtype, seed=seed)
+    width = max(VARLEN_COUNTS)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    query = torch.randn(len(VARLEN_LENGTHS), heads, width, 128, generator=gen, device="cuda").to(dtype)
+    cu = torch.tensor([0, *itertools.accumulate(VARLEN_COUNTS)], dtype=torch.int32, device="cuda")
+    return VarlenCase(storage, tables, seq_lens, query, unpack_rows(query, width).contiguous(), cu, width)
+
+
+def unpack_rows(padded: torch.Tensor, width: int) -> torch.Tensor:
+    """[rows, heads, width, D] -> each row's last counts[b] positions end to end, [sum(counts), heads, D]."""
+    return torch.cat([padded[b, :, width - n :].transpose(0, 1) for b, n in enumerate(VARLEN_COUNTS)])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group", [1, 4])
 @pytest.mark.parametrize("varlen,keys_known", [("flash", False), ("fa4", False), ("fa4", True)])
@@ -245,20 +282,15 @@ def test_varlen_packed_rows_match_the_reference(dtype, group, varlen, keys_known
     by the tables (flash) or by reading the lengths back (fa4: its tile loads read past the last key)."""
     if varlen == "fa4" and (problem := fa4_problem(torch.device("cuda"), dtype, 128)):
         pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
-    lengths = [300, 17, 0, 1000, 64, 1, 2000]
-    counts = [300, 5, 0, 1, 64, 1, 700]
-    storage, tables, seq_lens = make_batch(lengths, kv_heads=2, head_dim=128, dtype=dtype, seed=group)
-    width = max(counts)
-    gen = torch.Generator(device="cuda").manual_seed(group)
-    query = torch.randn(len(lengths), 2 * group, width, 128, generator=gen, device="cuda").to(dtype)
-    packed = torch.cat([query[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
-    cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
+    case = varlen_case(dtype, heads=2 * group, seed=group)
+    storage, tables, seq_lens, packed, cu, width = (case.storage, case.tables, case.seq_lens, case.packed, case.cu,
+                                                    case.width)
+    num_keys = case.num_keys if keys_known else 0
     scale = 1 / math.sqrt(128)
     with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
         out = paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale, varlen=varlen,
-                                     num_keys=sum(lengths) if keys_known else 0)
-    ref = reference(storage, 1, query, tables, seq_lens, torch.tensor(counts, device="cuda"), scale)
-    ref = torch.cat([ref[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
+                                     num_keys=num_keys)
+    ref = unpack_rows(reference(storage, 1, case.query, tables, seq_lens, case.counts_tensor(), scale), width)
     err = rel(out, ref)
     print(f"\n  varlen {dtype} G={group}: rel={err:.2e}", end="")
     assert out.shape == packed.shape and err < TOLERANCE[dtype]
@@ -266,7 +298,7 @@ def test_varlen_packed_rows_match_the_reference(dtype, group, varlen, keys_known
     step = torch.full((3 + packed.shape[0], *packed.shape[1:]), float("nan"), dtype=dtype, device="cuda")
     with kernels("cupy"):
         into = paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale, varlen=varlen,
-                                      num_keys=sum(lengths) if keys_known else 0, out=step[3:])
+                                      num_keys=num_keys, out=step[3:])
     assert into.data_ptr() == step[3:].data_ptr() and torch.equal(step[3:], out)
     assert torch.isnan(step[:3]).all()
     assert any(f"varlen prefill: custom kernel (CuPy packed gather + {varlen} varlen)" in r.getMessage()

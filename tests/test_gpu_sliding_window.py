@@ -4,23 +4,20 @@ plug-in and the engine (CUDA graphs, async scheduling) against plain transformer
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import random
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
-
 import ponytail
 from ponytail import SamplingParams
 from ponytail.attention import decode
 from ponytail.attention.fa4 import fa4_problem
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from cache_machine import kernels
-from test_gpu_paged_attention import TOLERANCE, make_batch, poison_like, reference, rel
+from test_gpu_paged_attention import TOLERANCE, make_batch, poison_like, reference, rel, unpack_rows, varlen_case
+from test_sliding_window import window_models
 
 pytestmark = pytest.mark.gpu
 
@@ -103,20 +100,13 @@ def test_windowed_varlen_rows_match_the_reference(dtype, varlen, window, caplog)
     """Chunks with context (the engine's varlen call); fp32 takes the padded gather + masked SDPA."""
     if varlen == "fa4" and (problem := fa4_problem(torch.device("cuda"), dtype, 128)):
         pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
-    lengths = [300, 17, 0, 1000, 64, 1, 2000]
-    counts = [300, 5, 0, 1, 64, 1, 700]
-    storage, tables, seq_lens = make_batch(lengths, kv_heads=2, head_dim=128, dtype=dtype, seed=window)
-    width = max(counts)
-    gen = torch.Generator(device="cuda").manual_seed(window)
-    query = torch.randn(len(lengths), 8, width, 128, generator=gen, device="cuda").to(dtype)
-    packed = torch.cat([query[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
-    cu = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device="cuda")
+    case = varlen_case(dtype, heads=8, seed=window)
     scale = 1 / math.sqrt(128)
     with kernels("cupy"):
-        out = paged_attention_varlen(storage, 1, packed, cu, width, tables, seq_lens, scale, varlen=varlen,
-                                     num_keys=sum(lengths), sliding_window=window)
-    ref = reference(storage, 1, query, tables, seq_lens, torch.tensor(counts, device="cuda"), scale, window)
-    ref = torch.cat([ref[b, :, width - n :].transpose(0, 1) for b, n in enumerate(counts)])
+        out = paged_attention_varlen(case.storage, 1, case.packed, case.cu, case.width, case.tables, case.seq_lens,
+                                     scale, varlen=varlen, num_keys=case.num_keys, sliding_window=window)
+    ref = unpack_rows(reference(case.storage, 1, case.query, case.tables, case.seq_lens, case.counts_tensor(), scale,
+                                window), case.width)
     err = rel(out, ref)
     print(f"\n  varlen {dtype} {varlen} window={window}: rel={err:.2e}", end="")
     assert not torch.isnan(out).any() and err < TOLERANCE[dtype]
@@ -125,14 +115,7 @@ def test_windowed_varlen_rows_match_the_reference(dtype, varlen, window, caplog)
 WINDOW = 48
 SHAPE = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
              vocab_size=1000, max_position_embeddings=1024)  # head_dim 64: the decode kernel has it
-GPU_MODELS = {
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SHAPE, num_hidden_layers=2, sliding_window=WINDOW)),
-    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
-        **SHAPE, num_hidden_layers=3, head_dim=64, sliding_window=WINDOW, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SHAPE, num_hidden_layers=3, use_sliding_window=True,
-                                                  sliding_window=WINDOW, max_window_layers=1)),
-}
+GPU_MODELS = window_models(SHAPE, WINDOW)
 
 
 def gpu_model(name, dtype=torch.float32):

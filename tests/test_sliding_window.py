@@ -15,16 +15,24 @@ from ponytail import SamplingParams
 WINDOW = 16
 SMALL = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
              max_position_embeddings=512)
-MODELS = {
-    "mistral": lambda: MistralForCausalLM(MistralConfig(**SMALL, num_hidden_layers=2, sliding_window=WINDOW)),
-    # local, global, local: the global layer reads the whole row between two windowed ones
-    "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
-        **SMALL, num_hidden_layers=3, head_dim=16, sliding_window=WINDOW, tie_word_embeddings=False,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
-    # the first layer whole, the later ones windowed: layer 0 alone would not show the window
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**SMALL, num_hidden_layers=3, use_sliding_window=True,
-                                                  sliding_window=WINDOW, max_window_layers=1)),
-}
+
+
+def window_models(shape: dict, window: int) -> dict:
+    """Random-weight factories of the three windowed families at `shape` (tests/test_gpu_sliding_window.py's too)."""
+    head_dim = shape["hidden_size"] // shape["num_attention_heads"]
+    return {
+        "mistral": lambda: MistralForCausalLM(MistralConfig(**shape, num_hidden_layers=2, sliding_window=window)),
+        # local, global, local: the global layer reads the whole row between two windowed ones
+        "gemma3": lambda: Gemma3ForCausalLM(Gemma3TextConfig(
+            **shape, num_hidden_layers=3, head_dim=head_dim, sliding_window=window, tie_word_embeddings=False,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+        # the first layer whole, the later ones windowed: layer 0 alone would not show the window
+        "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(**shape, num_hidden_layers=3, use_sliding_window=True,
+                                                      sliding_window=window, max_window_layers=1)),
+    }
+
+
+MODELS = window_models(SMALL, WINDOW)
 
 
 def make_model(name):
