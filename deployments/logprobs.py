@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ponytail import TokenTexts
 
+from .openai_logprobs import LOGPROB_FLOOR
 from .protocol import TokenLogprob
 
 
@@ -15,6 +18,21 @@ def token_logprob(texts: TokenTexts, token_id: int, entry: dict[int, float], top
     ranked = sorted(entry.items(), key=lambda item: -item[1])[:top]
     return TokenLogprob(token_id=token_id, token=texts(token_id), logprob=entry[token_id],
                         top=[(i, texts(i), value) for i, value in ranked])
+
+
+def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, float] | None],
+                           top: int) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's prompt_logprobs field: per prompt token (None where nothing predicts it), the token's
+    and the `top` most likely ones' {"logprob", "rank", "decoded_token"}, keyed by token id."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, entry in zip(token_ids, entries):
+        if entry is None:
+            out.append(None)
+            continue
+        chosen = [token_id] + [i for i, _ in sorted(entry.items(), key=lambda item: -item[1])[:top] if i != token_id]
+        out.append({str(i): {"logprob": max(float(entry[i]), LOGPROB_FLOOR), "rank": getattr(entry[i], "rank", None),
+                             "decoded_token": texts(i)} for i in chosen})
+    return out
 
 
 def token_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, float] | None],

@@ -513,6 +513,7 @@ class _OpenAIServer:
             usage = _usage([collected[0][2] for collected in results],
                            [last for collected in results for *_, last in collected])
             full = fmt.full(choices, usage)
+            _add_prompt_logprobs(full, [first.prompt_logprob_entries for first in firsts], per_prompt)
             body = full.model_dump_json() if shape is None else json.dumps(shape.whole(full))
             return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
@@ -635,6 +636,17 @@ def _with_stop_reason(choice, delta: GenerateDelta):
     if choice.finish_reason is not None:
         choice.stop_reason = delta.stop_reason
     return choice
+
+
+def _add_prompt_logprobs(full, entries: list, per_prompt: int) -> None:
+    """vLLM's prompt_logprobs field: a chat's beside its choices, each completion choice its prompt's."""
+    if all(e is None for e in entries):
+        return
+    if isinstance(full, ChatCompletion):
+        full.prompt_logprobs = entries[0]
+        return
+    for choice in full.choices:
+        choice.prompt_logprobs = entries[choice.index // per_prompt]
 
 
 def _with_usage(chunk, usage: Usage | None):

@@ -123,6 +123,8 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: only requests with the same salt share cached prompt prefixes (tenants apart)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM's: each prompt token's logprob, rank and this many most likely ones, beside the answer
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens the output may take
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
@@ -167,8 +169,6 @@ class CompletionRequest(_SamplingRequest):
     add_special_tokens: Annotated[Unsupported, _unsupported(
         lambda v: v is True, "add_special_tokens=false (a text prompt gets the tokenizer's special tokens; send "
                              "token ids for another prompt)")] = None
-    prompt_logprobs: Annotated[Unsupported, _unsupported(
-        lambda v: False, "prompt_logprobs as a field (use echo with logprobs)")] = None
 
 
 class TextPart(_Request):
@@ -283,8 +283,6 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: Annotated[Unsupported, _unsupported(
         lambda v: v is False, "add_special_tokens=true on chat (the template writes the special tokens)")] = None
     thinking_token_budget: Annotated[Unsupported, _unsupported(lambda v: False, "thinking_token_budget")] = None
-    prompt_logprobs: Annotated[Unsupported, _unsupported(
-        lambda v: False, "prompt_logprobs on chat (completions: echo with logprobs)")] = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
@@ -376,6 +374,11 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                         request_id: str | None = None) -> GenerateRequest:
     """The engine request for an OpenAI request; `sampling` holds ponytail.SamplingParams fields."""
     sampling = {name: value for name in SAMPLING_FIELDS if (value := getattr(req, name)) is not None}
+    if req.prompt_logprobs is not None:
+        if req.stream:
+            raise ConfigError(f"prompt_logprobs={req.prompt_logprobs} with stream=true is not supported; allowed: "
+                              "prompt_logprobs on a request that is not streamed")
+        sampling["prompt_logprobs"] = req.prompt_logprobs
     if (constraint := requested_constraint(req)) is not None:
         sampling["structured_outputs"] = constraint
     if req.logit_bias:
@@ -394,15 +397,15 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
-                               documents=req.documents)
+                               documents=req.documents, prompt_logprobs=req.prompt_logprobs)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
         if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
-            sampling["prompt_logprobs"] = req.logprobs
+            sampling["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
-                           cache_salt=req.cache_salt)
+                           cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -467,10 +470,15 @@ class Usage(BaseModel):
                        reasoning_tokens=reasoning_tokens))
 
 
+# vLLM's prompt_logprobs: per prompt token (None for the first), {token id: {logprob, rank, decoded_token}}
+PromptLogprobs = list[dict[str, dict[str, Any]] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = _omit_if_none()
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (not EOS)
 
@@ -512,6 +520,7 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = _omit_if_none()  # vLLM's, for the request's prompt
 
 
 class FunctionCallDelta(BaseModel):

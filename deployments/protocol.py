@@ -26,6 +26,7 @@ class GenerateRequest:
     continue_final_message: bool = False
     truncate_prompt_tokens: int | None = None  # run only the prompt's last this many tokens (-1: what fits)
     cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
+    prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: each choice's first delta carries them
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
@@ -77,6 +78,9 @@ class GenerateDelta:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     prompt_text: str | None = None  # echo: the prompt as text, in each choice's first delta only
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: each choice's first delta only
+    # The request's prompt_logprobs field, in vLLM's JSON shape (logprobs.prompt_logprob_entries): each
+    # choice's first delta only
+    prompt_logprob_entries: list[dict[str, dict[str, Any]] | None] | None = None
     index: int = 0  # the choice (0 .. n - 1)
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (computed once, not again)
     reasoning_tokens: int | None = None  # of completion_tokens, those in the thought (count_reasoning only)

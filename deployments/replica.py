@@ -18,7 +18,7 @@ import ponytail
 from ponytail import SamplingParams, check_chat_template_options
 
 from .generation_defaults import model_sampling_defaults
-from .logprobs import TokenTexts, token_logprobs
+from .logprobs import TokenTexts, prompt_logprob_entries, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
@@ -180,7 +180,7 @@ class EngineReplica:
                     for out in self._final_deltas(delta, request, params):
                         yield out
             return
-        echoed: set[int] = set()  # choices whose first delta went out
+        started: set[int] = set()  # choices whose first delta went out
         sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out
         thoughts: dict[int, ReasoningTokens] = {}  # per choice, where the API splits reasoning
         async for delta in self.async_llm.generate(prompt, params, request.request_id):
@@ -195,9 +195,9 @@ class EngineReplica:
                 if delta.index not in thoughts:
                     thoughts[delta.index] = ReasoningTokens(request.starts_in_thought, self.token_texts)
                 out.reasoning_tokens = thoughts[delta.index].feed(delta.new_token_ids)
-            if request.echo and delta.index not in echoed:
-                echoed.add(delta.index)
-                self._add_prompt(out, output, params)
+            if delta.index not in started:  # a choice's first delta carries what is said of the prompt
+                started.add(delta.index)
+                self._add_prompt(out, output, params, request)
             if params.logprobs is not None and choice.logprobs is not None:
                 done = sent.get(delta.index, 0)
                 entries = choice.logprobs[done : done + len(delta.new_token_ids)]
@@ -220,8 +220,7 @@ class EngineReplica:
                                 cached_tokens=output.metrics.num_cached_prompt_tokens)
             if request.count_reasoning:
                 out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(out.token_ids)
-            if request.echo:
-                self._add_prompt(out, output, params)
+            self._add_prompt(out, output, params, request)
             if params.logprobs is not None and choice.logprobs is not None:
                 out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, params.logprobs)
             outs.append(out)
@@ -235,13 +234,18 @@ class EngineReplica:
             self.queue_seconds += output.metrics.queue_time
             self.num_ttft += 1
 
-    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams) -> None:
-        """echo: the prompt's text, and its logprobs when the request asked for prompt_logprobs."""
+    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams, request: GenerateRequest) -> None:
+        """A choice's first delta: with echo the prompt's text, and its logprobs when the request
+        asked for prompt_logprobs; with the prompt_logprobs field, those in vLLM's shape."""
         ids = output.prompt_token_ids
+        if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
+            out.prompt_logprob_entries = prompt_logprob_entries(self.token_texts, ids, output.prompt_logprobs,
+                                                                request.prompt_logprobs)
+        if not request.echo:
+            return
         out.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
-        if params.prompt_logprobs is not None and output.prompt_logprobs is not None:
-            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs,
-                                                 params.prompt_logprobs)
+        if params.logprobs is not None and output.prompt_logprobs is not None:  # echo with logprobs
+            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs, params.logprobs)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        options: dict | None = None) -> list[int]:

@@ -31,7 +31,8 @@ def scripted():
     ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
     ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
     ({"thinking_token_budget": 100}, "thinking_token_budget", "not supported"),
-    ({"prompt_logprobs": 1}, "prompt_logprobs", "completions: echo with logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
+    ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "with stream=true is not supported"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive number of tokens"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
 ])
@@ -165,6 +166,34 @@ def test_documents_reach_a_template_that_reads_them():
                                                      chat_template=DOCUMENTS_TEMPLATE)
     assert rendered.startswith("<doc capitals>The capital of France is Paris.</doc>")
     assert with_docs == len(replica.tokenizer(rendered, add_special_tokens=False)["input_ids"]) > plain
+
+
+@pytest.mark.network  # the default model
+def test_prompt_logprobs_come_in_vllms_shape_and_agree_with_echo():
+    """vLLM's prompt_logprobs field on both endpoints: per prompt token (None first) its logprob,
+    rank and decoded text and the top ones, keyed by token id; the values are echo's."""
+    from openai_support import served_openai
+
+    with served_openai() as (replica, client, _):
+        prompt = "The capital of France is"
+        ids = replica.tokenizer(prompt)["input_ids"]
+        args = dict(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=1, temperature=0)
+        fielded = client.completions.create(**args, extra_body={"prompt_logprobs": 2}).choices[0]
+        echoed = client.completions.create(**args, echo=True, logprobs=2).choices[0].logprobs
+        entries = fielded.prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None and fielded.logprobs is None
+        for position, (token, entry) in enumerate(zip(ids[1:], entries[1:]), start=1):
+            own = entry[str(token)]
+            assert own["logprob"] == pytest.approx(echoed.token_logprobs[position], abs=1e-4)
+            assert own["decoded_token"] == replica.tokenizer.decode([token]) and own["rank"] >= 1
+            ranked = sorted(entry.values(), key=lambda e: -e["logprob"])
+            assert 2 <= len(entry) <= 3 and [e["rank"] for e in ranked[:2]] == [1, 2]
+        chat = client.chat.completions.create(model=args["model"], messages=ASK, max_tokens=1,
+                                              extra_body={"prompt_logprobs": 0})
+        assert len(chat.prompt_logprobs) == chat.usage.prompt_tokens and chat.prompt_logprobs[0] is None
+        assert all(len(entry) == 1 for entry in chat.prompt_logprobs[1:])
+        plain = client.chat.completions.create(model=args["model"], messages=ASK, max_tokens=1)
+        assert "prompt_logprobs" not in plain.model_dump(exclude_unset=True)
 
 
 @pytest.mark.network  # the default model
