@@ -33,7 +33,8 @@ def add_parser(commands) -> None:
                    help="uniform: every request the same lengths; mixed: lengths from 1/4 to the full "
                         "values; prefix: prompts share their first 3/4 (default: uniform)")
     p.add_argument("--kv-cache-memory", metavar="SIZE",
-                   help='Ponytail\'s KV budget, e.g. "4GiB" (default: 85%% of free device memory, 2 GiB on the CPU)')
+                   help='Ponytail\'s KV budget, e.g. "4GiB" (default: what vLLM\'s gpu_memory_utilization=0.9 '
+                        'leaves for KV, 2 GiB on the CPU)')
     p.add_argument("--baseline", default=d["baseline"], metavar="|".join(BASELINES),
                    help="time plain model.generate too, or not (default: generate)")
     p.add_argument("--baseline-batch", type=int, metavar="N",
