@@ -1,7 +1,8 @@
 """Soak test: minutes of mixed load against the running app, loopback only.
 
 Workers loop until the deadline, each iteration one of (weights in MIX):
-  ok          a short completion or chat, streamed or not                  -> 200
+  ok          a short completion or chat, streamed or not, maybe with one
+              of vLLM's extras (EXTRAS; prompt_logprobs when not streamed)  -> 200
   disconnect  a long stream the client drops after a few events            -> 200, then gone
   bad         a hostile or malformed request (BAD_INPUTS)                  -> its declared 4xx
   burst       BURST requests at once, past the engines' queue bound        -> 200 or a declared 503
@@ -56,7 +57,15 @@ BAD_INPUTS = [
     ("text/plain", "/v1/completions", b'{"prompt": "hi"}', "text/plain", 415),
     ("body size", "/v1/completions", {"prompt": "a" * (5 << 20)}, None, 413),
     ("long prompt", "/v1/completions", {"prompt": "lorem ipsum " * 200_000, "max_tokens": 1}, None, 400),
+    # token ids past the vocabulary: an out-of-vocabulary logit_bias id used to stop a whole engine step
+    ("logit_bias id", "/v1/completions", {"prompt": "hi", "logit_bias": {"1000000": 5}}, None, 400),
+    ("allowed_token_ids", "/v1/chat/completions", {"messages": CHAT, "allowed_token_ids": [10**7]}, None, 400),
+    ("bad_words", "/v1/chat/completions", {"messages": CHAT, "bad_words": [""]}, None, 400),
+    ("cache_salt", "/v1/completions", {"prompt": "hi", "cache_salt": ""}, None, 400),
 ]
+# vLLM's extras an ok request may carry (one at a time): each must be served like a plain request.
+EXTRAS = [{}, {"bad_words": ["the", "sea"]}, {"cache_salt": "tenant-1"}, {"cache_salt": "tenant-2"},
+          {"logprobs": 2, "return_tokens_as_token_ids": True}]
 
 
 @dataclass
@@ -112,12 +121,17 @@ class Soak:
 
     def ok(self, client, rng) -> None:
         stream = rng.random() < 0.5
+        extra = rng.choice(EXTRAS)
         if rng.random() < 0.5:
-            body = {"model": MODEL, "prompt": "The sea is", "max_tokens": rng.randint(1, 24), "stream": stream}
+            body = {"model": MODEL, "prompt": "The sea is", "max_tokens": rng.randint(1, 24), "stream": stream, **extra}
             path = "/v1/completions"
         else:
-            body = {"model": MODEL, "messages": CHAT, "max_tokens": rng.randint(1, 24), "stream": stream}
+            body = {"model": MODEL, "messages": CHAT, "max_tokens": rng.randint(1, 24), "stream": stream, **extra}
+            if "logprobs" in extra:  # chat's logprobs are a flag with top_logprobs beside it
+                body.update(logprobs=True, top_logprobs=extra["logprobs"])
             path = "/v1/chat/completions"
+        if not stream and rng.random() < 0.2:
+            body["prompt_logprobs"] = 1
         if not stream:
             self.record(client.post(path, json=body), "ok")
             return

@@ -340,16 +340,20 @@ def _share_of_device(share: float, device: torch.device) -> int:
 
 def _default_device_share(device: torch.device, headroom: int) -> int:
     """The KV pool's default ceiling on CUDA, sized as vLLM's default gpu_memory_utilization=0.9
-    sizes its cache: 90% of the device's total less what this process holds (the weights) and one
-    step's activations (headroom), and never more than is free now less those (another tenant's
-    memory is not ours). A ceiling, not a reservation: the pool grows to it as tokens need it."""
+    sizes its cache: 90% of the device's total less what is in use (this process's tensors, the
+    weights, and anything else on the device) and one step's activations (headroom), and never
+    more than is available now less those. torch's cached but unused memory counts as available
+    (an earlier engine's pool, freed). A ceiling, not a reservation: the pool grows to it as tokens
+    need it."""
     free, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
-    budget = min(int(total * DEFAULT_GPU_SHARE) - held, free) - headroom
+    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    in_use = total - available
+    budget = min(int(total * DEFAULT_GPU_SHARE) - in_use, available) - headroom
     if budget <= 0:
-        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(free)} of "
-                          f"{format_bytes(total)} free, this process holds {format_bytes(held)} and a step needs "
-                          f"{format_bytes(headroom)}; allowed: an explicit kv_cache_memory, or a smaller model")
+        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(in_use)} of "
+                          f"{format_bytes(total)} in use (this process's weights and any other tenant's), 90% "
+                          f"the ceiling, and a step needs {format_bytes(headroom)}; allowed: an explicit "
+                          "kv_cache_memory, or a smaller model")
     return budget
 
 

@@ -108,25 +108,25 @@ def test_gpu_memory_utilization_is_checked():
         ponytail.LLM._kv_memory("1GiB", torch.device("cpu"), 0.5)
 
 
-@pytest.mark.parametrize("free_gib, expected_gib", [(70, 57), (20, 19)])
-def test_default_kv_ceiling_is_vllms_share_of_the_device_and_never_more_than_is_free(monkeypatch, free_gib,
-                                                                                      expected_gib):
-    """An 80 GiB device whose process holds 14 GiB (the weights) and whose step needs 1 GiB: 90% of
-    the device less both (vLLM's default), or, with another tenant holding most of it, what is free
-    less the step."""
+@pytest.mark.parametrize("free_gib, reserved_gib, expected_gib", [
+    (66, 14, 57),  # an 80 GiB device, 14 GiB of weights: 90% of it less both and the step
+    (26, 14, 17),  # another tenant holds 40 GiB: 90% less all that is in use
+    (6, 74, 57),  # an earlier engine's 60 GiB pool, freed but cached by torch: available all the same
+])
+def test_default_kv_ceiling_is_vllms_share_of_the_device(monkeypatch, free_gib, reserved_gib, expected_gib):
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * gib, 80 * gib))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 14 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_gib * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 14 * gib)
     budget = ponytail.LLM._kv_memory(None, torch.device("cuda", 0), None, headroom=gib)
-    assert budget == (int(80 * gib * 0.9) if free_gib == 70 else (14 + 20) * gib) - 14 * gib - gib
-    assert budget // gib == expected_gib
+    assert budget == expected_gib * gib
 
 
 def test_default_kv_ceiling_on_a_full_device_is_refused_by_name(monkeypatch):
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (gib // 2, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 14 * gib)
-    with pytest.raises(ponytail.ConfigError, match=r"kv_cache_memory=None leaves no KV memory on cuda:0: 536.9 MB "
-                                                    r"of 85.9 GB free, this process holds 15.0 GB and a step needs "
-                                                    r"1.1 GB; allowed: an explicit kv_cache_memory"):
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 14 * gib)
+    with pytest.raises(ponytail.ConfigError, match=r"kv_cache_memory=None leaves no KV memory on cuda:0: 85.4 GB of "
+                                                    r"85.9 GB in use .* allowed: an explicit kv_cache_memory"):
         ponytail.LLM._kv_memory(None, torch.device("cuda", 0), None, headroom=gib)
