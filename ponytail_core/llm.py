@@ -238,10 +238,12 @@ class LLM:
         return CPU_DEFAULT_KV_MEMORY
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in input order. A prompt is text, token ids, or
         vLLM's {"prompt": text} / {"prompt_token_ids": ids}. A prompt refused stops the call and
-        takes back the ones added before it, as vLLM does: nothing of this call runs later."""
+        takes back the ones added before it, as vLLM does: nothing of this call runs later.
+        lora_request and priority (vLLM's) are taken as None / zeros only: refused otherwise."""
+        _refuse_unsupported(lora_request, priority)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
@@ -278,12 +280,14 @@ class LLM:
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,
              tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, chat_template_kwargs: dict[str, Any] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
+             chat_template: str | None = None, documents: list[dict[str, str]] | None = None,
+             lora_request=None) -> list[RequestOutput]:
         """Answer a conversation (a list of {"role", "content"} messages) or a list of them, as
         vLLM's LLM.chat: the tokenizer's chat template (or `chat_template`, a template's text)
         renders each (with `tools`, the template's `chat_template_kwargs`, the assistant's answer
         opened or, with continue_final_message, the last message continued), then generate runs
-        the token ids. One output per conversation."""
+        the token ids. One output per conversation. documents: for templates that read them (RAG)."""
+        _refuse_unsupported(lora_request, None)
         if self.tokenizer is None:
             raise ConfigError("messages need a chat template, and this model has no tokenizer; allowed: a model "
                               "with a tokenizer, or generate() with token ids")
@@ -295,7 +299,8 @@ class LLM:
             prompts.append(render_chat(self.tokenizer, conversation, tokenize=True, tools=tools,
                                           add_generation_prompt=add_generation_prompt,
                                           continue_final_message=continue_final_message,
-                                          chat_template_kwargs=chat_template_kwargs, chat_template=chat_template))
+                                          chat_template_kwargs=chat_template_kwargs, chat_template=chat_template,
+                                          documents=documents))
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def stats(self) -> EngineStats:
@@ -355,6 +360,15 @@ def _default_device_share(device: torch.device, headroom: int) -> int:
                           f"the ceiling, and a step needs {format_bytes(headroom)}; allowed: an explicit "
                           "kv_cache_memory, or a smaller model")
     return budget
+
+
+def _refuse_unsupported(lora_request, priority) -> None:
+    if lora_request is not None:
+        raise ConfigError(f"lora_request={lora_request!r:.60} is not supported; allowed: None (the model's own "
+                          "weights)")
+    if priority is not None and any(priority):
+        raise ConfigError(f"priority={list(priority)!r:.60} is not supported; allowed: None or zeros (requests run "
+                          "first come, first served)")
 
 
 def _vllm_options(loaded_here: bool, cuda_graphs, compile_model, enforce_eager, seed, tensor_parallel_size,

@@ -156,3 +156,23 @@ def test_the_served_revision_reaches_the_tokenizer_the_sampling_defaults_and_the
     assert refused.startswith(f"refused: name_or_path={HUB_ID!r} revision='v9':"), refused
     with pytest.raises(ConfigError, match=r"revision='v2' names a version of a hub id, but name_or_path="):
         ponytail.load_tokenizer(str(default_checkpoint()), revision="v2")
+
+
+def test_vllm_generate_and_chat_keywords_run_or_are_refused_by_name(small_model):
+    """Scripts written for vLLM pass lora_request=None and priority=[0, ...]; chat takes documents
+    (for templates that read them). Anything Ponytail cannot honour is refused, not dropped."""
+    llm = make_llm(small_model)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    plain = llm.generate(["Hello there", "Hi"], greedy)
+    same = llm.generate(["Hello there", "Hi"], greedy, lora_request=None, priority=[0, 0])
+    assert [o.token_ids for o in same] == [o.token_ids for o in plain]
+    with pytest.raises(ConfigError, match=r"priority=\[0, 2\] is not supported; allowed: None or zeros"):
+        llm.generate(["Hello there", "Hi"], greedy, priority=[0, 2])
+    with pytest.raises(ConfigError, match=r"lora_request='adapter' is not supported; allowed: None"):
+        llm.chat([{"role": "user", "content": "Hi"}], greedy, lora_request="adapter")
+    template = ("{% for d in documents or [] %}[{{ d.text }}]{% endfor %}"
+                "{% for m in messages %}{{ m.content }}{% endfor %}")
+    with_docs = llm.chat([{"role": "user", "content": "Hi"}], greedy, chat_template=template,
+                         documents=[{"title": "t", "text": "Paris"}])[0]
+    assert with_docs.prompt_token_ids == llm.tokenizer("[Paris]Hi", add_special_tokens=False)["input_ids"]
+    assert not llm.engine.requests
