@@ -20,16 +20,15 @@ from .runner.compile import can_compile
 from .runner.fused_projections import can_fuse
 from .engine.request import RequestOutput
 from .attention.fa4 import choose_prefill_attention
+from .kv.budget import kv_budget, step_headroom
 from .kv.paged_cache import PagedKVCache
 from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
-from .utils.units import format_bytes, is_seconds, parse_bytes
+from .utils.units import format_bytes, is_seconds
 from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
-CPU_DEFAULT_KV_MEMORY = 2 << 30  # a CPU run has no device to measure: 2 GiB unless told
-DEFAULT_GPU_SHARE = 0.9  # vLLM's default gpu_memory_utilization: the KV pool's ceiling (see _default_device_share)
 # A CPU step's time grows with its tokens (and, context_aware_chunks, their context): a long prompt in
 # chunks of this budget keeps the streams beside it within 2x of their usual pause (docs/engine.md),
 # where 2048 stalled them for seconds.
@@ -159,9 +158,9 @@ class LLM:
         if not isinstance(keep_prefix_cache, bool):
             raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
         # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
-        headroom = (_step_headroom(text_config, max_num_batched_tokens, max_num_seqs,
-                                   next(model.parameters()).element_size()) if device.type == "cuda" else 0)
-        memory = self._kv_memory(kv_cache_memory, device, gpu_memory_utilization, headroom)
+        headroom = (step_headroom(text_config, max_num_batched_tokens, max_num_seqs,
+                                  next(model.parameters()).element_size()) if device.type == "cuda" else 0)
+        memory = kv_budget(kv_cache_memory, device, gpu_memory_utilization, headroom)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
         config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
@@ -222,20 +221,6 @@ class LLM:
         log = PrefixEventLog(capacity)
         self.engine.cache.record_prefix_events(log)
         return log
-
-    @staticmethod
-    def _kv_memory(kv_cache_memory, device: torch.device, gpu_memory_utilization: float | None = None,
-                   headroom: int = 0) -> int:
-        if gpu_memory_utilization is not None:
-            if kv_cache_memory is not None:
-                raise ConfigError(f"kv_cache_memory={kv_cache_memory!r} and gpu_memory_utilization="
-                                  f"{gpu_memory_utilization!r} were both given; allowed: one of them")
-            return _share_of_device(gpu_memory_utilization, device)
-        if kv_cache_memory is not None:
-            return parse_bytes(kv_cache_memory, "kv_cache_memory")
-        if device.type == "cuda":
-            return _default_device_share(device, headroom)
-        return CPU_DEFAULT_KV_MEMORY
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, lora_request=None, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -306,60 +291,6 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-
-
-STEP_HEADROOM_FIXED = 64 << 20  # cuBLAS workspaces, CUDA graph pools, sampling buffers
-
-
-def _step_headroom(text_config, max_num_batched_tokens: int, max_num_seqs: int, dtype_size: int) -> int:
-    """A generous estimate of one step's transient memory (the KV pool never grows into it): a
-    layer's activations for the full token budget (hidden states, attention, MLP) and fp32
-    logits for every sequence, plus a fixed part."""
-    hidden = int(getattr(text_config, "hidden_size", 4096))
-    intermediate = int(getattr(text_config, "intermediate_size", 4 * hidden))
-    vocab = int(getattr(text_config, "vocab_size", 32000))
-    activations = max_num_batched_tokens * (6 * hidden + 3 * intermediate) * dtype_size
-    return STEP_HEADROOM_FIXED + activations + max_num_seqs * vocab * 4
-
-
-def _share_of_device(share: float, device: torch.device) -> int:
-    """KV budget for gpu_memory_utilization (as vLLM's): this process may hold `share` of the
-    device's total memory; the KV pool gets that less what the process holds already (weights,
-    CUDA graphs' pools, torch's cache). Independent of what others hold now, so two replicas at
-    0.45 each fit one GPU whatever order they start in."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise ConfigError(f"gpu_memory_utilization={share!r} is not supported; allowed: a share of the "
-                          "device's total memory in (0, 1], e.g. 0.9 (or None: kv_cache_memory decides)")
-    if device.type != "cuda":
-        raise ConfigError(f"gpu_memory_utilization={share!r} needs a CUDA device; the model is on {device}: "
-                          "use kv_cache_memory")
-    _, total = torch.cuda.mem_get_info(device)
-    held = torch.cuda.memory_reserved(device)
-    budget = int(total * share) - held
-    if budget <= 0:
-        raise ConfigError(f"gpu_memory_utilization={share!r} allows {format_bytes(int(total * share))} of "
-                          f"{format_bytes(total)}, but this process already holds {format_bytes(held)} "
-                          "(the model): allowed: a larger share")
-    return budget
-
-
-def _default_device_share(device: torch.device, headroom: int) -> int:
-    """The KV pool's default ceiling on CUDA, sized as vLLM's default gpu_memory_utilization=0.9
-    sizes its cache: 90% of the device's total less what is in use (this process's tensors, the
-    weights, and anything else on the device) and one step's activations (headroom), and never
-    more than is available now less those. torch's cached but unused memory counts as available
-    (an earlier engine's pool, freed). A ceiling, not a reservation: the pool grows to it as tokens
-    need it."""
-    free, total = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    in_use = total - available
-    budget = min(int(total * DEFAULT_GPU_SHARE) - in_use, available) - headroom
-    if budget <= 0:
-        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(in_use)} of "
-                          f"{format_bytes(total)} in use (this process's weights and any other tenant's), 90% "
-                          f"the ceiling, and a step needs {format_bytes(headroom)}; allowed: an explicit "
-                          "kv_cache_memory, or a smaller model")
-    return budget
 
 
 def _refuse_unsupported(lora_request, priority) -> None:

@@ -13,6 +13,7 @@ import torch
 import ponytail
 from ponytail import CacheConfig, NoRoom, PagedKVCache, SamplingParams
 from ponytail.kv import storage as storage_module  # noqa: E402
+from ponytail.kv.budget import kv_budget
 from test_engine import make_llm, plain_greedy, random_prompts
 
 
@@ -99,13 +100,13 @@ def test_the_engine_preempts_instead_of_crashing_and_outputs_equal_plain_generat
 def test_gpu_memory_utilization_is_checked():
     with pytest.raises(ponytail.ConfigError, match=r"gpu_memory_utilization=1.5 is not supported; allowed: a share "
                                                     r"of the device's total memory in \(0, 1\]"):
-        ponytail.LLM._kv_memory(None, torch.device("cpu"), 1.5)
+        kv_budget(None, torch.device("cpu"), 1.5)
     with pytest.raises(ponytail.ConfigError, match=r"gpu_memory_utilization=0.5 needs a CUDA device; the model is "
                                                     r"on cpu: use kv_cache_memory"):
-        ponytail.LLM._kv_memory(None, torch.device("cpu"), 0.5)
+        kv_budget(None, torch.device("cpu"), 0.5)
     with pytest.raises(ponytail.ConfigError, match=r"kv_cache_memory='1GiB' and gpu_memory_utilization=0.5 were "
                                                     r"both given; allowed: one of them"):
-        ponytail.LLM._kv_memory("1GiB", torch.device("cpu"), 0.5)
+        kv_budget("1GiB", torch.device("cpu"), 0.5)
 
 
 @pytest.mark.parametrize("free_gib, reserved_gib, expected_gib", [
@@ -118,7 +119,7 @@ def test_default_kv_ceiling_is_vllms_share_of_the_device(monkeypatch, free_gib, 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free_gib * gib, 80 * gib))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved_gib * gib)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 14 * gib)
-    budget = ponytail.LLM._kv_memory(None, torch.device("cuda", 0), None, headroom=gib)
+    budget = kv_budget(None, torch.device("cuda", 0), None, headroom=gib)
     assert budget == expected_gib * gib
 
 
@@ -129,4 +130,4 @@ def test_default_kv_ceiling_on_a_full_device_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 14 * gib)
     with pytest.raises(ponytail.ConfigError, match=r"kv_cache_memory=None leaves no KV memory on cuda:0: 85.4 GB of "
                                                     r"85.9 GB in use .* allowed: an explicit kv_cache_memory"):
-        ponytail.LLM._kv_memory(None, torch.device("cuda", 0), None, headroom=gib)
+        kv_budget(None, torch.device("cuda", 0), None, headroom=gib)
