@@ -98,6 +98,9 @@ class AppArgs(BaseModel):
                                  "(vLLM's --revision); its tokenizer and generation_config.json too; unset: main")
     trust_remote_code: bool = Field(False, description="run the model and tokenizer code a checkpoint ships "
                                     "(vLLM's --trust-remote-code)")
+    scheduling_policy: Literal["fcfs", "priority"] = Field(
+        "fcfs", description="fcfs: first come, first served; priority: requests' priority field orders the queue, "
+                            "lower first, and preemption takes the least urgent (vLLM's --scheduling-policy)")
     compile_model: bool | None = Field(None, description="torch.compile the decoder layers (~21% more decode "
                                        "tokens/s on a 7B, H200; the first start compiles); unset: on for GPUs")
     fuse_projections: bool | None = Field(None, description="one GEMM for q/k/v and one for gate/up in every "
@@ -174,7 +177,7 @@ class AppArgs(BaseModel):
                                                 "keep_prefix_cache", "engine_process", "prefill_delay_factor",
                                                 "generation_config", "chat_template", "tool_call_parser",
                                                 "reasoning_parser", "default_chat_template_kwargs", "enforce_eager",
-                                                "seed", "revision", "trust_remote_code")
+                                                "seed", "revision", "trust_remote_code", "scheduling_policy")
     LIMIT_FIELDS: ClassVar[tuple[str, ...]] = ("max_body_bytes", "max_prompt_tokens", "max_output_tokens", "max_n",
                                                "max_stop", "max_stop_chars")  # RequestLimits
 

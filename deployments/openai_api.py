@@ -478,6 +478,9 @@ class _OpenAIServer:
                 else None  # one choice
             for generate in generates:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
+            if req.priority and info.scheduling_policy == "fcfs":  # before it reaches an engine
+                raise ConfigError(f"priority={req.priority} needs the server's scheduling_policy: priority; allowed: "
+                                  "0 (requests are served first come, first served)")
             fmt = (_ChatFormat if kind is ChatCompletionRequest else _CompletionFormat)(
                 request_id, req.model or info.model_id, system_fingerprint(info))  # the name it asked for
             fmt.tokens_as_ids = bool(req.return_tokens_as_token_ids)

@@ -132,8 +132,7 @@ class _SamplingRequest(_Request):
     # vLLM's extras the engine cannot honour yet: refused with their values rather than ignored
     use_beam_search: Annotated[Unsupported, _unsupported(lambda v: v is False, "use_beam_search")] = None
     length_penalty: Annotated[Unsupported, _unsupported(lambda v: v == 1, "length_penalty other than 1")] = None
-    priority: Annotated[Unsupported, _unsupported(
-        lambda v: v == 0, "priority other than 0 (requests are served first come, first served)")] = None
+    priority: int = 0  # vLLM's: lower runs first, where the server's scheduling_policy is "priority"
     logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
 
     @field_validator("stream_options")
@@ -397,7 +396,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
-                               documents=req.documents, prompt_logprobs=req.prompt_logprobs)
+                               documents=req.documents, prompt_logprobs=req.prompt_logprobs, priority=req.priority)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
@@ -405,7 +404,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
             sampling["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
-                           cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs)
+                           cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority)
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -27,6 +27,7 @@ class GenerateRequest:
     truncate_prompt_tokens: int | None = None  # run only the prompt's last this many tokens (-1: what fits)
     cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: each choice's first delta carries them
+    priority: int = 0  # vLLM's: lower runs first where the engine's scheduling_policy is "priority"
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
@@ -102,6 +103,7 @@ class ModelInfo:
     # reasoning_format "think": whether the generation prompt leaves a <think> open, with
     # enable_thinking unset, true, false (reasoning.thought_opens)
     thought_opens: tuple[bool, bool, bool] | None = None
+    scheduling_policy: str = "fcfs"  # the engine's (vLLM's): "priority" takes requests' priority
 
     def serves(self, name: str) -> bool:
         return name == self.model_id or name in self.aliases

@@ -53,7 +53,8 @@ class EngineReplica:
                  column_major_weights: bool | None = None, chat_template: str | None = None,
                  tool_call_parser: str = "auto", reasoning_parser: str = "auto",
                  default_chat_template_kwargs: dict | None = None, enforce_eager: bool = False,
-                 seed: int | None = None, revision: str | None = None, trust_remote_code: bool = False):
+                 seed: int | None = None, revision: str | None = None, trust_remote_code: bool = False,
+                 scheduling_policy: str = "fcfs"):
         """model_id: the served name; unset, it is where the tokenizer loads from (a hub id or a local
         path, as vLLM serves its --model), so clients that load a tokenizer by the served name
         (guidellm) find it. model_alias: another name requests may use (unset with no model_id: the
@@ -63,8 +64,8 @@ class EngineReplica:
         (generation_defaults.py), "ponytail" leaves SamplingParams' defaults. chat_template: the template's
         text, served instead of the tokenizer's. tool_call_parser: tool_parsers.TOOL_CALL_PARSERS.
         reasoning_parser: reasoning.REASONING_PARSERS. default_chat_template_kwargs: names every chat's
-        template gets unless the request sets them. enforce_eager, seed, revision, trust_remote_code:
-        LLM's (vLLM's); the model's generation_config.json is read at the same revision."""
+        template gets unless the request sets them. enforce_eager, seed, revision, trust_remote_code,
+        scheduling_policy: LLM's (vLLM's); the model's generation_config.json is read at the same revision."""
         if generation_config not in ("auto", "ponytail"):  # before seconds of loading
             raise ponytail.ConfigError(f"generation_config={generation_config!r} is not supported; allowed: auto "
                                        "(the model's generation_config.json fills unset sampling fields), ponytail")
@@ -83,7 +84,7 @@ class EngineReplica:
                           prefill_delay_factor=prefill_delay_factor, fuse_projections=fuse_projections,
                           prefill_attention=prefill_attention, column_major_weights=column_major_weights,
                           enforce_eager=enforce_eager, seed=seed, revision=revision,
-                          trust_remote_code=trust_remote_code)
+                          trust_remote_code=trust_remote_code, scheduling_policy=scheduling_policy)
         if engine_process is None:
             engine_process = _on_gpu(device)
         # Merged deltas: one Ray message per stream per interval, not one per token. In one process
@@ -117,7 +118,7 @@ class EngineReplica:
                               aliases=[model_alias] if model_alias and model_alias != served else [],
                               tool_call_format=served_tool_call_format(tool_call_parser, template),
                               reasoning_format=served_reasoning_format(reasoning_parser, template),
-                              chat_template_kwargs=self.template_defaults)
+                              chat_template_kwargs=self.template_defaults, scheduling_policy=scheduling_policy)
         if self.info.reasoning_format == THINK:  # where answers start: in a thought the prompt opened, or not
             self.info.thought_opens = thought_opens(self.tokenizer, self.template_defaults)
             logger.info("reasoning models' thought is split off (reasoning_parser auto); the generation prompt "
@@ -175,7 +176,7 @@ class EngineReplica:
             prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt,
                       "cache_salt": request.cache_salt}
         if params.ranks_samples:  # best_of: which samples are returned is known only at the end
-            async for delta in self.async_llm.generate(prompt, params, request.request_id):
+            async for delta in self.async_llm.generate(prompt, params, request.request_id, request.priority):
                 if delta.finished:
                     for out in self._final_deltas(delta, request, params):
                         yield out
@@ -183,7 +184,7 @@ class EngineReplica:
         started: set[int] = set()  # choices whose first delta went out
         sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out
         thoughts: dict[int, ReasoningTokens] = {}  # per choice, where the API splits reasoning
-        async for delta in self.async_llm.generate(prompt, params, request.request_id):
+        async for delta in self.async_llm.generate(prompt, params, request.request_id, request.priority):
             output = delta.output
             choice = output.outputs[delta.index]
             out = GenerateDelta(request_id=delta.request_id, text=delta.delta_text, token_ids=delta.new_token_ids,

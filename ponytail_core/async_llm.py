@@ -118,9 +118,10 @@ class AsyncLLM:
         return max(self.stream_interval_s, self._num_streaming / self.max_deltas_per_s)
 
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestDelta]:
-        """Add a request and yield its deltas as they come; aborts it if the consumer stops early."""
-        request_id, submit = await self._admit(prompt, params, request_id)
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestDelta]:
+        """Add a request and yield its deltas as they come; aborts it if the consumer stops early.
+        priority: the engine's scheduling_policy "priority" runs lower first (vLLM's)."""
+        request_id, submit = await self._admit(prompt, params, request_id, priority)
         if request_id in self._streams:
             raise ConfigError(f"request_id={request_id!r} is already in use")
         stream = _Stream()
@@ -168,10 +169,10 @@ class AsyncLLM:
                 pass
 
     async def _admit(self, prompt: str | list[int], params: SamplingParams | None,
-                     request_id: str | None) -> tuple[str, Callable[[], None]]:
+                     request_id: str | None, priority: int = 0) -> tuple[str, Callable[[], None]]:
         """Check a request on the caller's side (ConfigError names what is wrong) and wait for its
         grammar; returns its id and what hands it to the engine once its stream is registered."""
-        request = self.engine.prepare_request(prompt, params, request_id)
+        request = self.engine.prepare_request(prompt, params, request_id, priority)
         if request.grammar_ready is not None:  # compiled in the grammar thread; ConfigError if it cannot be
             await asyncio.wrap_future(request.grammar_ready)
 

@@ -135,9 +135,9 @@ class EngineCore:
         except (EOFError, OSError):  # the parent's process is gone
             return False
 
-    def _add(self, request_id: str, prompt, params) -> None:
+    def _add(self, request_id: str, prompt, params, priority: int = 0) -> None:
         try:
-            request = self.engine.prepare_request(prompt, params, request_id)
+            request = self.engine.prepare_request(prompt, params, request_id, priority)
             if request.grammar_ready is not None and not request.grammar_ready.done():
                 self.compiling.append(request)
             else:

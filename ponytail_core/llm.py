@@ -13,6 +13,7 @@ from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
 from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
+from .engine.scheduler import POLICIES
 from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
 from .models.loader import load_model, load_tokenizer
@@ -82,7 +83,9 @@ class LLM:
     vLLM's own arguments, for scripts written for it: tokenizer (an object, or a name or path to
     load), enforce_eager (no CUDA graphs, no compile), seed (torch's generators, which requests
     without a seed of their own draw from), revision and trust_remote_code (passed to
-    transformers), tensor_parallel_size (1 only: one engine per device, replicas across devices).
+    transformers), tensor_parallel_size (1 only: one engine per device, replicas across devices),
+    scheduling_policy ("fcfs", or "priority": generate's priority orders the queue, lower first, and
+    preemption takes the least urgent; engine/scheduler.py).
     """
 
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
@@ -95,8 +98,11 @@ class LLM:
                  prefill_delay_factor: float | None = None, fuse_projections: bool | None = None,
                  prefill_attention: str | None = None, column_major_weights: bool | None = None,
                  enforce_eager: bool = False, seed: int | None = None, tensor_parallel_size: int = 1,
-                 revision: str | None = None, trust_remote_code: bool = False):
+                 revision: str | None = None, trust_remote_code: bool = False, scheduling_policy: str = "fcfs"):
         loaded_here = model is None or isinstance(model, str)
+        if scheduling_policy not in POLICIES:  # before seconds of loading
+            raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; allowed: "
+                              f"{', '.join(POLICIES)}")
         cuda_graphs, compile_model = _vllm_options(loaded_here, cuda_graphs, compile_model, enforce_eager, seed,
                                                    tensor_parallel_size, revision, trust_remote_code)
         if loaded_here:
@@ -176,6 +182,7 @@ class LLM:
                                 cuda_graphs=cuda_graphs, compile_model=compile_model, async_scheduling=async_scheduling,
                                 context_cost=context_cost(text_config) if context_aware_chunks else 0.0,
                                 prefill_delay_factor=float(prefill_delay_factor), fuse_projections=fuse_projections,
+                                scheduling_policy=scheduling_policy,
                                 prefill_varlen=prefill_varlen, column_major_weights=column_major_weights)
         logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
                     config.max_num_blocks, block_size, format_bytes(config.block_bytes), device)
@@ -227,19 +234,21 @@ class LLM:
         """Run every prompt to completion; outputs in input order. A prompt is text, token ids, or
         vLLM's {"prompt": text} / {"prompt_token_ids": ids}. A prompt refused stops the call and
         takes back the ones added before it, as vLLM does: nothing of this call runs later.
-        lora_request and priority (vLLM's) are taken as None / zeros only: refused otherwise."""
-        _refuse_unsupported(lora_request, priority)
+        priority: one per prompt (scheduling_policy "priority"); lora_request: None only (vLLM's)."""
+        _refuse_lora(lora_request)
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ConfigError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(params) != len(prompts) or len(priorities) != len(prompts):
+            raise ConfigError(f"got {len(params)} sampling_params and {len(priorities)} priorities for "
+                              f"{len(prompts)} prompts; allowed: one each (or one sampling_params for all)")
         engine = self.engine
         requests = []
         progress = None
         try:
-            for prompt, sp in zip(prompts, params):
-                requests.append(engine.add_request(prompt, sp or SamplingParams()))
+            for prompt, sp, rank in zip(prompts, params, priorities):
+                requests.append(engine.add_request(prompt, sp or SamplingParams(), priority=rank))
             if use_tqdm:
                 from tqdm import tqdm
 
@@ -272,7 +281,7 @@ class LLM:
         renders each (with `tools`, the template's `chat_template_kwargs`, the assistant's answer
         opened or, with continue_final_message, the last message continued), then generate runs
         the token ids. One output per conversation. documents: for templates that read them (RAG)."""
-        _refuse_unsupported(lora_request, None)
+        _refuse_lora(lora_request)
         if self.tokenizer is None:
             raise ConfigError("messages need a chat template, and this model has no tokenizer; allowed: a model "
                               "with a tokenizer, or generate() with token ids")
@@ -293,13 +302,10 @@ class LLM:
 
 
 
-def _refuse_unsupported(lora_request, priority) -> None:
+def _refuse_lora(lora_request) -> None:
     if lora_request is not None:
         raise ConfigError(f"lora_request={lora_request!r:.60} is not supported; allowed: None (the model's own "
                           "weights)")
-    if priority is not None and any(priority):
-        raise ConfigError(f"priority={list(priority)!r:.60} is not supported; allowed: None or zeros (requests run "
-                          "first come, first served)")
 
 
 def _vllm_options(loaded_here: bool, cuda_graphs, compile_model, enforce_eager, seed, tensor_parallel_size,

@@ -94,7 +94,7 @@ class ProcessAsyncLLM(AsyncLLM):
 
     # ------------------------------------------------------------ AsyncLLM's hooks
     async def _admit(self, prompt: str | list[int], params: SamplingParams | None,
-                     request_id: str | None) -> tuple[str, Callable[[], None]]:
+                     request_id: str | None, priority: int = 0) -> tuple[str, Callable[[], None]]:
         """The engine checks the request in its process: a refusal raises from the stream."""
         if self.dead is not None:
             raise self.dead
@@ -105,7 +105,7 @@ class ProcessAsyncLLM(AsyncLLM):
             raise ConfigError(f"params must be a ponytail.SamplingParams, got {type(params).__name__}")
         self._loop = asyncio.get_running_loop()  # where the reader delivers
         request_id = uuid.uuid4().hex if request_id is None else str(request_id)
-        return request_id, lambda: self._send((ADD, request_id, prompt, params))
+        return request_id, lambda: self._send((ADD, request_id, prompt, params, priority))
 
     def _ensure_loop(self) -> None:
         """Aborts go down the pipe at once; the child forgets finished requests by itself."""

@@ -197,6 +197,22 @@ def test_prompt_logprobs_come_in_vllms_shape_and_agree_with_echo():
 
 
 @pytest.mark.network  # the default model
+def test_priority_is_served_where_the_server_schedules_by_it():
+    """scheduling_policy priority (vLLM's --scheduling-policy): a request's priority is taken; the
+    default server refuses one, before any engine (the refusal test above)."""
+    from deployments.local_server import local_server
+
+    with local_server(scheduling_policy="priority") as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
+            chat = client.chat.completions.create(model=replica.info.model_id, messages=ASK, max_tokens=2,
+                                                  extra_body={"priority": 3})
+            assert chat.choices[0].finish_reason in ("length", "stop")
+            with pytest.raises(openai.BadRequestError, match=r"priority='x' is invalid|valid integer"):
+                client.chat.completions.create(model=replica.info.model_id, messages=ASK, max_tokens=2,
+                                               extra_body={"priority": "x"})
+
+
+@pytest.mark.network  # the default model
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id():
     from openai_support import served_openai
 

@@ -166,8 +166,9 @@ def test_vllm_generate_and_chat_keywords_run_or_are_refused_by_name(small_model)
     plain = llm.generate(["Hello there", "Hi"], greedy)
     same = llm.generate(["Hello there", "Hi"], greedy, lora_request=None, priority=[0, 0])
     assert [o.token_ids for o in same] == [o.token_ids for o in plain]
-    with pytest.raises(ConfigError, match=r"priority=\[0, 2\] is not supported; allowed: None or zeros"):
+    with pytest.raises(ConfigError, match=r"priority=2 needs scheduling_policy='priority'; allowed: 0 under 'fcfs'"):
         llm.generate(["Hello there", "Hi"], greedy, priority=[0, 2])
+    assert not llm.engine.requests  # the first prompt, added before the refusal, was taken back
     with pytest.raises(ConfigError, match=r"lora_request='adapter' is not supported; allowed: None"):
         llm.chat([{"role": "user", "content": "Hi"}], greedy, lora_request="adapter")
     template = ("{% for d in documents or [] %}[{{ d.text }}]{% endfor %}"

@@ -82,14 +82,15 @@ class LLMEngine:
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
                  compile_model: bool = False, async_scheduling: bool = False, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0, **runner_options):
+                 prefill_delay_factor: float = 0.0, scheduling_policy: str = "fcfs", **runner_options):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = cache
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model, **runner_options)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
-                                   prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead)
+                                   prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead,
+                                   policy=scheduling_policy)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
@@ -110,18 +111,18 @@ class LLMEngine:
 
     # ------------------------------------------------------------ requests
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Request:
+                    request_id: str | None = None, priority: int = 0) -> Request:
         """Check, tokenize and queue a request; ConfigError names what is wrong.
 
         With structured_outputs this waits for the grammar's compile (cached per schema) in the
         caller's thread; AsyncLLM waits on its event loop instead, so no step ever waits.
         """
-        request = self.prepare_request(prompt, params, request_id)
+        request = self.prepare_request(prompt, params, request_id, priority)
         self.enqueue(request)
         return request
 
     def prepare_request(self, prompt: str | list[int] | dict, params: SamplingParams | None = None,
-                        request_id: str | None = None) -> Request:
+                        request_id: str | None = None, priority: int = 0) -> Request:
         """add_request's checks, no engine state touched (any thread may call it); prompt dicts: vLLM's."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -136,13 +137,12 @@ class LLMEngine:
         prompt, salt = unpack_prompt(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
                           prompt_token_ids=self._prompt_token_ids(prompt), params=params,
-                          eos_token_ids=self.eos_token_ids, cache_salt=salt)
+                          eos_token_ids=self.eos_token_ids, cache_salt=salt, priority=priority)
         start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it
         self.scheduler.check_fits(request)  # refuses what can never fit
         if params.structured_outputs is not None:
             if self.grammars is None:
-                raise ConfigError("structured_outputs needs a tokenizer, but this engine has none "
-                                  "(tokenizer=None)")
+                raise ConfigError("structured_outputs needs a tokenizer, but this engine has none (tokenizer=None)")
             request.grammar_ready = self.grammars.submit(params.structured_outputs)
         return request
 

@@ -78,6 +78,7 @@ class Request:
     group: SampleGroup | None = None
     cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs (when they are computed)
     cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
+    priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's)
 
     @property
     def done(self) -> bool:

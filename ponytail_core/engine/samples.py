@@ -42,7 +42,7 @@ def fork_members(parent: Request) -> list[Request]:
                                 prompt_token_ids=parent.prompt_token_ids, params=group.params.member(index),
                                 eos_token_ids=parent.eos_token_ids, status=RequestStatus.RUNNING,
                                 num_computed_tokens=parent.num_computed_tokens, metrics=metrics,
-                                index=index, group=group))
+                                index=index, group=group, cache_salt=parent.cache_salt, priority=parent.priority))
     group.members.extend(children)
     return children
 

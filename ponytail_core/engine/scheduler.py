@@ -8,7 +8,10 @@ cheap). Waiting requests are then admitted in arrival order (FCFS: nobody jumps 
 nobody starves) while their whole prompt fits with a watermark of free blocks to spare. With a
 context_cost (chunk_cost.py) a prefill chunk counts its attention over cached context too, so
 the late chunks of a long prompt get fewer tokens; decode rows count one token each. A request
-that could never fit is refused when it is added, so the queue cannot deadlock. A request with
+that could never fit is refused when it is added, so the queue cannot deadlock. With policy
+"priority" (vLLM's scheduling_policy) the queue is ordered by (priority, arrival), lower first, and
+the victim of a preemption is the running request with the largest (priority, arrival) among those
+not yet given a slot this step; nothing running is preempted to admit a waiting request. A request with
 several samples (n > 1, best_of) is admitted alone but takes running slots for all of them; the
 engine forks the others when its prefill ends and hands them over with `adopt`.
 
@@ -41,6 +44,7 @@ from ..utils.arith import cdiv
 
 
 MAX_PREFILL_DELAY_S = 0.1  # the most a prompt is held for others to join it (a TTFT cost)
+POLICIES = ("fcfs", "priority")  # vLLM's scheduling policies
 
 
 @dataclass(slots=True)
@@ -56,7 +60,10 @@ class Scheduler:
     def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
                  prefill_delay_factor: float = 0.0, step_overhead: StepOverhead | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ConfigError(f"scheduling_policy={policy!r} is not supported; allowed: {', '.join(POLICIES)}")
+        self.policy = policy
         self.cache = cache
         self.prefill_delay_factor = prefill_delay_factor
         self.step_overhead = step_overhead  # what sharing a prefill step saves; None: weigh the last one's duration
@@ -76,6 +83,11 @@ class Scheduler:
     # ------------------------------------------------------------- requests
     def check_fits(self, request: Request) -> None:
         """Refuse at once what could never run, instead of letting it wait forever."""
+        if isinstance(request.priority, bool) or not isinstance(request.priority, int):
+            raise ConfigError(f"priority={request.priority!r:.40} is invalid; allowed: an integer (lower runs first)")
+        if request.priority and self.policy == "fcfs":
+            raise ConfigError(f"priority={request.priority!r} needs scheduling_policy='priority'; allowed: 0 under "
+                              "'fcfs' (first come, first served)")
         need = len(request.prompt_token_ids) + request.params.max_tokens
         if need > self.max_model_len:
             raise ContextLengthError(f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
@@ -95,8 +107,18 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.check_fits(request)
-        self.waiting.append(request)
+        self._queue(request)
         self.promises.queued(request)
+
+    def _queue(self, request: Request, front: bool = False) -> None:
+        """Into the waiting queue: FCFS at the back (a preempted request at the front), else by
+        (priority, arrival)."""
+        if self.policy == "fcfs":
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            return
+        key = _rank(request)
+        self.waiting.insert(next((i for i, r in enumerate(self.waiting) if _rank(r) > key), len(self.waiting)),
+                            request)
 
     def adopt(self, request: Request) -> None:
         """A sample the engine forked from a running parent (its blocks are in the cache already)
@@ -146,7 +168,9 @@ class Scheduler:
             if not self._reserve_next(request):
                 if step_in_flight:
                     return None
-                self._preempt(self.running.pop())  # the newest
+                victim = len(self.running) - 1 if self.policy == "fcfs" else max(  # the newest, or the least urgent
+                    range(i, len(self.running)), key=lambda j: _rank(self.running[j]))
+                self._preempt(self.running.pop(victim))
                 preempted = True
                 continue  # retry the same request (or stop if it was the victim)
             chunk, used = self._next_chunk(request, request.num_tokens - request.num_computed_tokens, budget)
@@ -249,5 +273,10 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._queue(request, front=True)
         self.promises.preempted(request)
+
+
+def _rank(request: Request) -> tuple[int, float]:
+    """Lower runs first under the priority policy (vLLM's order)."""
+    return request.priority, request.metrics.arrival_time
