@@ -107,6 +107,33 @@ def test_a_refused_request_raises_its_error_from_the_stream_and_others_run_on(en
     assert len(asyncio.run(main())[-1].output.token_ids) == 12
 
 
+def test_priority_salt_and_bad_words_cross_into_the_engine_process(engine, llm_kwargs):
+    """The request's priority and cache_salt (its prompt dict) and bad words (tokenized in the child)
+    reach the child's engine: under fcfs a priority is refused from the stream; a salted prompt
+    misses the unsalted prefix it repeats; bad words change the greedy tokens as in process."""
+    async def last(prompt, params=GREEDY, **kwargs):
+        async for delta in engine.generate(prompt, params, **kwargs):
+            final = delta
+        return final
+
+    async def main():
+        with pytest.raises(ConfigError, match=r"priority=3 needs scheduling_policy='priority'"):
+            await last("hi", priority=3)
+        words = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+        await last(words)
+        salted = await last({"prompt": words, "cache_salt": "tenant"})
+        again = await last(words)
+        plain = await last("The cat sat")
+        word = llm_kwargs["tokenizer"].decode(plain.output.outputs[0].token_ids[:1]).strip()
+        banned = await last("The cat sat", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                          bad_words=[word]))
+        return salted, again, plain, banned
+
+    salted, again, plain, banned = asyncio.run(main())
+    assert salted.output.metrics.num_cached_prompt_tokens == 0 < again.output.metrics.num_cached_prompt_tokens
+    assert banned.output.token_ids != plain.output.token_ids
+
+
 def test_a_duplicate_request_id_is_refused(engine):
     async def main():
         first = engine.generate("one", SamplingParams(max_tokens=50, ignore_eos=True), request_id="same")
