@@ -26,7 +26,7 @@ def add_serve_parser(commands: Any) -> None:
         from deployments.args import AppArgs
     except ImportError as exc:  # a base install without the serve extra: say so when asked
         serve = commands.add_parser("serve", help="serve a model with an OpenAI-compatible API")
-        serve.set_defaults(run=lambda args: _missing(exc))
+        serve.set_defaults(run=lambda args, missing=exc: _missing(missing))  # `exc` is gone after the block
         return
     serve = commands.add_parser(
         "serve",

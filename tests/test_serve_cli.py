@@ -210,3 +210,11 @@ def test_a_hub_id_not_in_the_cache_says_what_to_do(tmp_path):
                           f"{tmp_path / 'hub'} and HF_HUB_OFFLINE=1 forbids downloading it")
     assert f"`hf download {HUB_ID}`" in err and "unset HF_HUB_OFFLINE" in err
     assert "Started a local Ray instance" not in done.stdout + done.stderr
+
+
+def test_without_the_serve_extra_serve_says_what_to_install(capsys, monkeypatch):
+    """A base install (no Ray Serve): `ponytail serve` names the extra to install, not a NameError."""
+    monkeypatch.setitem(sys.modules, "deployments.args", None)  # its import raises ImportError
+    code, out, err = run(capsys, "serve")
+    assert code != 0 and "ponytail serve needs Ray Serve: pip install -e '.[serve]'" in out + err
+    assert "NameError" not in out + err
