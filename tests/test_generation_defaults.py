@@ -50,7 +50,7 @@ def test_the_replica_fills_unset_fields_from_the_models_file(default_model, tmp_
                             generation_config=generation_config)
     used = []
 
-    async def record(prompt, params, request_id):
+    async def record(prompt, params, request_id, priority=0):
         used.append(params)
         return
         yield
