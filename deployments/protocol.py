@@ -79,8 +79,8 @@ class GenerateDelta:
     logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
     prompt_text: str | None = None  # echo: the prompt as text, in each choice's first delta only
     prompt_logprobs: list[TokenLogprob] | None = None  # echo + prompt_logprobs: each choice's first delta only
-    # The request's prompt_logprobs field, in vLLM's JSON shape (logprobs.prompt_logprob_entries): each
-    # choice's first delta only
+    # The request's prompt_logprobs field, in vLLM's JSON shape (logprobs.prompt_logprob_entries): the
+    # request's first delta only
     prompt_logprob_entries: list[dict[str, dict[str, Any]] | None] | None = None
     index: int = 0  # the choice (0 .. n - 1)
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (computed once, not again)

@@ -27,13 +27,22 @@ from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
 from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
                        STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest,
-                       ModelInfo, ReplicaReport)
+                       ModelInfo, ReplicaReport, TokenLogprob)
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 # truncate_prompt_tokens -1 on a request without max_tokens (which would take the rest of the
 # context): the prompt's cut leaves this much room for the answer, not a single token.
 TRUNCATED_ANSWER_ROOM = 256
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True, frozen=True)
+class PromptSaid:
+    """What a request's answer says of its prompt (EngineReplica._prompt_said), once per request."""
+
+    text: str | None  # echo: the prompt's text, which every choice's text starts with
+    logprobs: list[TokenLogprob] | None  # echo with logprobs: the prompt tokens', in every choice's logprobs
+    entries: list | None  # the prompt_logprobs field, in vLLM's shape (logprobs.prompt_logprob_entries)
 
 
 class EngineReplica:
@@ -182,6 +191,7 @@ class EngineReplica:
                         yield out
             return
         started: set[int] = set()  # choices whose first delta went out
+        said = None  # what the choices' first deltas say of the prompt: the same for all, made once
         sent: dict[int, int] = {}  # per choice: output tokens whose logprobs went out
         thoughts: dict[int, ReasoningTokens] = {}  # per choice, where the API splits reasoning
         async for delta in self.async_llm.generate(prompt, params, request.request_id, request.priority):
@@ -197,8 +207,11 @@ class EngineReplica:
                     thoughts[delta.index] = ReasoningTokens(request.starts_in_thought, self.token_texts)
                 out.reasoning_tokens = thoughts[delta.index].feed(delta.new_token_ids)
             if delta.index not in started:  # a choice's first delta carries what is said of the prompt
+                if said is None:
+                    said = self._prompt_said(output, params, request)
+                    out.prompt_logprob_entries = said.entries  # the API reads them off the request's first delta
                 started.add(delta.index)
-                self._add_prompt(out, output, params, request)
+                out.prompt_text, out.prompt_logprobs = said.text, said.logprobs
             if params.logprobs is not None and choice.logprobs is not None:
                 done = sent.get(delta.index, 0)
                 entries = choice.logprobs[done : done + len(delta.new_token_ids)]
@@ -213,6 +226,7 @@ class EngineReplica:
         output = delta.output
         self._finished(output)
         outs = []
+        said = self._prompt_said(output, params, request)
         for i, choice in enumerate(output.outputs):
             out = GenerateDelta(request_id=delta.request_id, text=choice.text, token_ids=list(choice.token_ids),
                                 finished=i == len(output.outputs) - 1, finish_reason=choice.finish_reason,
@@ -221,7 +235,8 @@ class EngineReplica:
                                 cached_tokens=output.metrics.num_cached_prompt_tokens)
             if request.count_reasoning:
                 out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(out.token_ids)
-            self._add_prompt(out, output, params, request)
+            out.prompt_text, out.prompt_logprobs = said.text, said.logprobs
+            out.prompt_logprob_entries = said.entries if i == 0 else None
             if params.logprobs is not None and choice.logprobs is not None:
                 out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, params.logprobs)
             outs.append(out)
@@ -235,18 +250,18 @@ class EngineReplica:
             self.queue_seconds += output.metrics.queue_time
             self.num_ttft += 1
 
-    def _add_prompt(self, out: GenerateDelta, output, params: SamplingParams, request: GenerateRequest) -> None:
-        """A choice's first delta: with echo the prompt's text, and its logprobs when the request
-        asked for prompt_logprobs; with the prompt_logprobs field, those in vLLM's shape."""
-        ids = output.prompt_token_ids
-        if request.prompt_logprobs is not None and output.prompt_logprobs is not None:
-            out.prompt_logprob_entries = prompt_logprob_entries(self.token_texts, ids, output.prompt_logprobs,
-                                                                request.prompt_logprobs)
+    def _prompt_said(self, output, params: SamplingParams, request: GenerateRequest) -> PromptSaid:
+        """What a request's answer says of its prompt: with echo its text, and its logprobs when
+        the request asked for logprobs; with the prompt_logprobs field, those in vLLM's shape."""
+        ids, scored = output.prompt_token_ids, output.prompt_logprobs
+        entries = (prompt_logprob_entries(self.token_texts, ids, scored, request.prompt_logprobs)
+                   if request.prompt_logprobs is not None and scored is not None else None)
         if not request.echo:
-            return
-        out.prompt_text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
-        if params.logprobs is not None and output.prompt_logprobs is not None:  # echo with logprobs
-            out.prompt_logprobs = token_logprobs(self.token_texts, ids, output.prompt_logprobs, params.logprobs)
+            return PromptSaid(None, None, entries)
+        text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
+        logprobs = (token_logprobs(self.token_texts, ids, scored, params.logprobs)
+                    if params.logprobs is not None and scored is not None else None)  # echo with logprobs
+        return PromptSaid(text, logprobs, entries)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        options: dict | None = None) -> list[int]:

@@ -13,7 +13,7 @@ from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
 from .errors import ConfigError
 from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
-from .engine.scheduler import POLICIES
+from .engine.scheduler import check_policy
 from .engine.chunk_cost import context_cost
 from .engine.stats import EngineStats
 from .models.loader import load_model, load_tokenizer
@@ -100,9 +100,7 @@ class LLM:
                  enforce_eager: bool = False, seed: int | None = None, tensor_parallel_size: int = 1,
                  revision: str | None = None, trust_remote_code: bool = False, scheduling_policy: str = "fcfs"):
         loaded_here = model is None or isinstance(model, str)
-        if scheduling_policy not in POLICIES:  # before seconds of loading
-            raise ConfigError(f"scheduling_policy={scheduling_policy!r} is not supported; allowed: "
-                              f"{', '.join(POLICIES)}")
+        check_policy(scheduling_policy)  # before seconds of loading
         cuda_graphs, compile_model = _vllm_options(loaded_here, cuda_graphs, compile_model, enforce_eager, seed,
                                                    tensor_parallel_size, revision, trust_remote_code)
         if loaded_here:

@@ -47,6 +47,11 @@ MAX_PREFILL_DELAY_S = 0.1  # the most a prompt is held for others to join it (a 
 POLICIES = ("fcfs", "priority")  # vLLM's scheduling policies
 
 
+def check_policy(policy: object) -> None:
+    if policy not in POLICIES:
+        raise ConfigError(f"scheduling_policy={policy!r} is not supported; allowed: {', '.join(POLICIES)}")
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     chunks: list[ScheduledChunk]  # running requests first (oldest first), then the ones admitted
@@ -61,8 +66,7 @@ class Scheduler:
                  max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
                  prefill_delay_factor: float = 0.0, step_overhead: StepOverhead | None = None,
                  clock: Callable[[], float] = time.monotonic, policy: str = "fcfs"):
-        if policy not in POLICIES:
-            raise ConfigError(f"scheduling_policy={policy!r} is not supported; allowed: {', '.join(POLICIES)}")
+        check_policy(policy)
         self.policy = policy
         self.cache = cache
         self.prefill_delay_factor = prefill_delay_factor
