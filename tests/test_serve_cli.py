@@ -57,6 +57,8 @@ def test_help_lists_every_knob_with_its_default(capsys):
     (["--replicas", "2", "--max-replicas", "3"], "--replicas=2 sets --min-replicas and --max-replicas; "
                                                  "allowed: --replicas alone, or --max-replicas without it"),
     (["--stream-interval-s", "5"], "--stream-interval-s: stream_interval_s=5 is not supported"),
+    (["--scheduling-policy", "lottery"], "--scheduling-policy='lottery': Input should be 'fcfs' or 'priority'"),
+    (["--revision", ""], "--revision='': String should have at least 1 character"),
 ])
 def test_bad_flags_name_the_argument_before_anything_starts(capsys, argv, message):
     code, out, err = run(capsys, "serve", *argv)
