@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# One GPU lease's work, on the GPU machine from the repository root, in the background so that the
+# parts can be sent while it runs (README.md beside this script has the calls):
+#
+#   (setsid nohup bash benchmarks/gpu_lease/lease.sh > /tmp/lease.log 2>&1 &)
+#
+# 1. unpacks .gpu/site.tar.xz; builds the random checkpoints (135M and 7B shapes) from .gpu/smollm2-files
+# 2. installs FlashAttention-4 from /tmp/fa4parts once its parts are there (waits FA4_WAIT_S, then goes on
+#    without it: its tests skip and say so)
+# 3. STEPS (default "syncs suite bench"): probe_step_syncs, the whole `pytest -m gpu` suite, and, once
+#    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine against vLLM with BENCH_ARGS
+# Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
+set -uo pipefail
+RES=/tmp/res; mkdir -p "$RES"
+STEPS=${STEPS:-"syncs suite bench"}
+BENCH_ARGS=${BENCH_ARGS:-"--workload all --rounds 2"}
+export PYTHONUNBUFFERED=1
+log() { echo "$(date +%T) $*" | tee -a "$RES/steps.log"; }
+
+# Every part named in SHA256SUMS is in $1 and matches its sum; waits up to $2 seconds for that.
+parts_ready() {
+  local dir=$1 deadline=$(( $(date +%s) + $2 ))
+  while [ "$(date +%s)" -lt "$deadline" ]; do
+    if [ -f "$dir/SHA256SUMS" ] && (cd "$dir" && grep ' part_' SHA256SUMS | sha256sum -c --quiet - 2>/dev/null); then
+      return 0
+    fi
+    sleep 2
+  done
+  return 1
+}
+
+mkdir -p /tmp/site && tar xJf .gpu/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
+git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/tree.txt" 2>/dev/null
+log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
+python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
+python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
+  --device cuda >> "$RES/ckpt.log" 2>&1
+log "checkpoints built (rc $?)"
+
+if parts_ready /tmp/fa4parts "${FA4_WAIT_S:-120}"; then
+  mkdir -p /tmp/fa4 && cat /tmp/fa4parts/part_* | tar xf - -C /tmp/fa4
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site /tmp/fa4/wheels/*.whl \
+    > "$RES/fa4_install.log" 2>&1
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+  log "FlashAttention-4: $(python3 -c 'import flash_attn.cute; print("importable")' 2>&1 | tail -1)"
+else
+  log "FlashAttention-4 parts not there: going on without it"
+fi
+
+for step in $STEPS; do
+  case $step in
+    syncs)
+      python3 benchmarks/probe_step_syncs.py --model /tmp/ponytail-smollm2-random --json "$RES/syncs.json" \
+        > "$RES/syncs.log" 2>&1 ;;
+    suite)
+      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rs > "$RES/suite.log" 2>&1
+      log "suite: $(tail -1 "$RES/suite.log")" ;;
+    bench)
+      if ! parts_ready /tmp/parts "${VLLM_WAIT_S:-300}"; then log "vLLM parts not there: bench skipped"; continue; fi
+      if ! bash /tmp/parts/install.sh /tmp/parts /tmp/vsite > "$RES/vllm_install.log" 2>&1; then
+        log "vLLM install failed (vllm_install.log): bench skipped"; continue
+      fi
+      touch "$RES/vllm.installed"; log "vLLM installed"
+      VP=/tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages
+      # shellcheck disable=SC2086
+      python3 benchmarks/bench_engine.py --model /tmp/ponytail-7b-random $BENCH_ARGS --peers ponytail,vllm \
+        --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir /tmp/vllm-run \
+        --json "$RES/peers.json" > "$RES/bench.log" 2>&1
+      log "bench: rc $?" ;;
+    *) log "unknown step $step" ;;
+  esac
+  touch "$RES/$step.done"
+done
+touch "$RES/all.done"; log "all done"
