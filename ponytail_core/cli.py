@@ -4,6 +4,7 @@ model (serve_command.py)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
@@ -12,7 +13,11 @@ from typing import Any, Sequence
 from .bench.command import add_parser as add_bench_parser
 from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
+from .kv.capacity import count_parameters, device_capacity
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
+from .llm import GPU_BATCHED_TOKENS
+from .models.hub import check_hub_model, is_hub_id
+from .utils.units import parse_bytes
 from .serve_command import add_serve_parser
 
 # --flag -> estimate_kv_cache argument, for the shape flags --model can stand in for.
@@ -48,14 +53,17 @@ def _build_parser() -> argparse.ArgumentParser:
         help="how much memory a KV cache needs",
         description="Estimate KV-cache memory for a model shape, given by flags or by --model.",
     )
-    est.add_argument("--model", metavar="PATH",
-                     help="local model directory holding config.json, or a config.json file; "
-                          "supplies the shape flags (explicit flags must agree with it)")
+    est.add_argument("--model", metavar="PATH_OR_ID",
+                     help="local model directory holding config.json, a config.json file, or a hub id "
+                          "(ORG/NAME, its config read through transformers' hub cache); supplies the shape "
+                          "flags (explicit flags must agree with it)")
+    est.add_argument("--revision", help="with a hub id: its branch, tag or commit (default: main)")
     est.add_argument("--num-layers", type=int, help="decoder layers")
     est.add_argument("--num-kv-heads", type=int, help="key/value heads per layer")
     est.add_argument("--head-dim", type=int, help="elements per head")
-    est.add_argument("--dtype", help="bfloat16, float16 or float32 "
-                                     "(default: the model's with --model, else float16)")
+    est.add_argument("--dtype", help="bfloat16, float16 or float32: what the weights are loaded as (default: "
+                                     "bfloat16 with --device-memory, as LLM() loads on CUDA; else the model's "
+                                     "with --model, else float16)")
     est.add_argument("--max-batch-size", type=int, default=1,
                      help="sequences held at once (default: 1)")
     est.add_argument("--max-seq-len", type=int,
@@ -64,6 +72,17 @@ def _build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu-memory", metavar="SIZE",
                      help='KV memory available ("80GB", "80GiB" or bytes): '
                           "how many full-length sequences fit")
+    device = est.add_argument_group("a whole GPU (with --model): the KV pool LLM() would size there")
+    device.add_argument("--device-memory", metavar="SIZE",
+                        help='the GPU\'s total memory ("80GiB" for an 80 GB H100): its KV pool ceiling, with the '
+                             "weights counted from --model's config and one step's activations left free")
+    device.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
+                        help="the share of the device the process may hold, as LLM(gpu_memory_utilization=) "
+                             "and vLLM take it (default: the engine's default sizing, 0.9 less one step)")
+    device.add_argument("--max-num-seqs", type=int, default=256,
+                        help="the engine's max_num_seqs, which one step's activations depend on (default: 256)")
+    device.add_argument("--max-num-batched-tokens", type=int, default=GPU_BATCHED_TOKENS,
+                        help=f"the engine's token budget per step (default: {GPU_BATCHED_TOKENS}, LLM()'s on CUDA)")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(run=_run_estimate)
     add_serve_parser(commands)
@@ -73,16 +92,25 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_estimate(args: argparse.Namespace) -> int:
     shape = {name: getattr(args, name) for name in _SHAPE_FLAGS.values()}
+    _check_estimate_flags(args)
     if args.model is not None:
+        model_config = _load_model_config(args.model, args.revision)
+        dtype = args.dtype or ("bfloat16" if args.device_memory is not None else None)
         config = CacheConfig.from_model(
-            _load_model_config(args.model),
+            model_config if dtype is None else _as_loaded(model_config),
             **shape,
-            dtype=args.dtype,
+            dtype=dtype,
             max_batch_size=args.max_batch_size,
             block_size=args.block_size,
             device="cpu",  # an estimate does not depend on this machine's devices
         )
-        estimate = estimate_from_config(config, gpu_memory=args.gpu_memory)
+        capacity = None
+        if args.device_memory is not None:
+            capacity = device_capacity(
+                config, model_config.get_text_config(), count_parameters(model_config),
+                parse_bytes(args.device_memory, "device_memory"), gpu_memory_utilization=args.gpu_memory_utilization,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+        estimate = estimate_from_config(config, gpu_memory=args.gpu_memory, device=capacity)
     else:
         missing = [flag for flag, name in _SHAPE_FLAGS.items() if shape[name] is None]
         if missing:
@@ -99,21 +127,59 @@ def _run_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_estimate_flags(args: argparse.Namespace) -> None:
+    if args.revision is not None and (args.model is None or _is_local(args.model)):
+        raise ConfigError(f"--revision {args.revision} names a version of a hub id, but --model is "
+                          f"{args.model!r}; allowed: --revision with --model ORG/NAME")
+    if args.device_memory is None:
+        if args.gpu_memory_utilization is not None:
+            raise ConfigError(f"--gpu-memory-utilization {args.gpu_memory_utilization} needs --device-memory "
+                              "(the device's total memory it is a share of)")
+        return
+    if args.model is None:
+        raise ConfigError(f"--device-memory {args.device_memory} needs --model: the weights it leaves room for "
+                          "are counted from the model's config")
+    if args.gpu_memory is not None:
+        raise ConfigError(f"--gpu-memory {args.gpu_memory} and --device-memory {args.device_memory} were both "
+                          "given; allowed: one (--gpu-memory: the KV memory itself; --device-memory: the GPU's "
+                          "total, the KV pool sized as LLM() sizes it)")
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens",
+                                                                args.max_num_batched_tokens)):
+        if value < 1:
+            raise ConfigError(f"{flag} {value} is not supported; allowed: an integer >= 1")
+
+
+def _as_loaded(model_config: Any) -> Any:
+    """A copy of the config without its dtype: --dtype (or LLM()'s CUDA default) decides, as the
+    loader casts the weights to whatever it is asked for."""
+    config = copy.deepcopy(model_config)
+    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        part.dtype = None
+    return config
+
+
+def _is_local(name: str) -> bool:
+    return Path(name).expanduser().exists()
+
+
 def _render(estimate: KVEstimate, *, as_json: bool) -> str:
     return json.dumps(estimate.to_dict(), indent=2) if as_json else estimate.summary()
 
 
-def _load_model_config(path: str) -> Any:
-    """A transformers config from a local directory or config.json; never contacts a hub."""
+def _load_model_config(path: str, revision: str | None = None) -> Any:
+    """A transformers config from a local directory or config.json, or a hub id's through the hub
+    cache (downloaded unless HF_HUB_OFFLINE=1), as transformers reads it."""
     # Imported here: importing transformers takes seconds, and only --model needs it.
     from transformers import AutoConfig
 
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    allowed = "allowed: a local model directory holding config.json, or a config.json file"
-    p = Path(path)
+    allowed = "allowed: a local model directory holding config.json, a config.json file, or a hub id (ORG/NAME)"
+    p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"--model {path!r} does not exist; {allowed}")
+        if is_hub_id(path):
+            return check_hub_model(path, revision=revision)
+        raise ConfigError(f"--model {path!r} does not exist and is no hub id; {allowed}")
     file = p / "config.json" if p.is_dir() else p
     try:
         data = json.loads(file.read_text())

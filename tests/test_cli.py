@@ -86,8 +86,6 @@ def test_estimate_from_hand_written_config_json(capsys, tmp_path):
     [
         (["--num-kv-heads", "9"], "num_kv_heads=9 does not match the model (LlamaForCausalLM): "
                                   "it has num_key_value_heads=3"),
-        (["--dtype", "float16"], "dtype=float16 does not match the model (LlamaForCausalLM): "
-                                 "its config has dtype bfloat16"),
         (["--num-layers", "32"], "num_layers=32 does not match the model (LlamaForCausalLM): "
                                  "it has num_hidden_layers=30"),
     ],
@@ -96,6 +94,13 @@ def test_model_flags_that_disagree(capsys, smol_dir, flags, message):
     code, out, err = run(capsys, "estimate", "--model", str(smol_dir), *flags)
     assert (code, out) == (2, "")
     assert err == f"ponytail: error: {message}\n"
+
+
+def test_dtype_is_what_the_weights_load_as_not_a_contradiction(capsys, smol_dir):
+    """LLM(dtype="float16") casts a bfloat16 checkpoint as it loads: the estimate follows --dtype."""
+    code, out, err = run(capsys, "estimate", "--model", str(smol_dir), "--dtype", "float16", "--json")
+    assert (code, err) == (0, "")
+    assert json.loads(out)["dtype"] == "float16"
 
 
 def test_errors_exit_2_without_traceback(capsys, tmp_path):
@@ -111,7 +116,7 @@ def test_errors_exit_2_without_traceback(capsys, tmp_path):
 
     code, _, err = run(capsys, "estimate", "--model", str(tmp_path / "nope"))
     assert code == 2
-    assert "does not exist; allowed: a local model directory holding config.json" in err
+    assert "does not exist and is no hub id; allowed: a local model directory holding config.json" in err
 
     (tmp_path / "config.json").write_text('{"model_type": "not-a-model"}')
     code, _, err = run(capsys, "estimate", "--model", str(tmp_path))
@@ -134,3 +139,113 @@ def test_usage_errors_exit_2(capsys):
 def test_help_exits_0(capsys):
     code, out, _ = run(capsys, "estimate", "--help")
     assert code == 0 and "--gpu-memory" in out
+
+
+GIB = 1 << 30
+
+
+@pytest.fixture
+def llama7b_dir(tmp_path):
+    """Llama-2-7B's shape (6,738,415,616 parameters), its config saying float16."""
+    path = tmp_path / "llama-7b"
+    LlamaConfig(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, dtype="float16",
+                architectures=["LlamaForCausalLM"]).save_pretrained(path)
+    return path
+
+
+def test_device_memory_sizes_the_pool_as_the_engine_does(capsys, llama7b_dir):
+    code, out, err = run(capsys, "estimate", "--model", str(llama7b_dir), "--device-memory", "80GiB", "--json")
+    assert (code, err) == (0, "")
+    device = json.loads(out)["device"]
+    weights = 6_738_415_616 * 2  # bfloat16, as LLM() loads on CUDA, whatever the config says
+    step = (64 << 20) + 8192 * (6 * 4096 + 3 * 11008) * 2 + 256 * 32000 * 4  # activations, fp32 logits
+    budget = int(0.9 * 80 * GIB) - weights - step
+    assert (device["num_parameters"], device["weight_bytes"], device["step_headroom"]) == (6_738_415_616, weights, step)
+    assert device["kv_budget"] == budget and json.loads(out)["gpu_memory"] == budget
+    block = 2 * 32 * 32 * 128 * 2 * 16
+    assert (device["kv_blocks"], device["kv_tokens"]) == (budget // block, budget // block * 16)
+    assert device["max_concurrency"] == pytest.approx(budget // block * 16 / 4096)
+    assert json.loads(out)["dtype"] == "bfloat16"
+
+    code, out, _ = run(capsys, "estimate", "--model", str(llama7b_dir), "--device-memory", "80GiB",
+                       "--gpu-memory-utilization", "0.5", "--max-seq-len", "2048", "--dtype", "float16")
+    assert code == 0
+    assert "gpu_memory_utilization=0.5" in out and "float16 (2 bytes)" in out
+    tokens = (40 * GIB - weights) // block * 16
+    assert f"KV pool ceiling:     {(40 * GIB - weights) / 1e9:.1f} GB" in out
+    assert f"{tokens:,} tokens in {tokens // 16:,} blocks" in out
+    assert f"at once:             {tokens / 2048:.2f} sequences of 2,048 tokens" in out
+
+
+def test_device_memory_matches_the_engines_own_sizing(monkeypatch, capsys, llama7b_dir):
+    """The estimate equals kv_budget on a device that holds only the weights (mocked CUDA queries)."""
+    import torch
+
+    from ponytail.kv.budget import kv_budget, step_headroom
+
+    code, out, _ = run(capsys, "estimate", "--model", str(llama7b_dir), "--device-memory", "80GiB",
+                       "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--json")
+    device = json.loads(out)["device"]
+    weights = device["weight_bytes"]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (80 * GIB - weights, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: weights)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: weights)
+    headroom = step_headroom(LlamaConfig.from_pretrained(llama7b_dir), 2048, 64, 2)
+    assert device["step_headroom"] == headroom
+    assert device["kv_budget"] == kv_budget(None, torch.device("cuda", 0), None, headroom=headroom)
+
+
+def test_parameters_are_counted_as_the_model_loads_them(tmp_path):
+    """Tied embeddings once, biases and norms included: the count of a real instance of the model."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from ponytail.kv.capacity import count_parameters
+
+    for config in (LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
+                   Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=300, tie_word_embeddings=False)):
+        real = AutoModelForCausalLM.from_config(config)
+        assert count_parameters(config) == sum(p.numel() for p in real.parameters())
+
+
+def test_estimate_reads_a_hub_id_from_the_hub_cache(tmp_path, llama7b_dir):
+    from hub_cache import build_hub_cache, run_offline
+
+    build_hub_cache(tmp_path / "home" / "hub", llama7b_dir, repo_id="acme/llama-7b")
+    script = ("import sys; from ponytail.cli import main; "
+              "sys.exit(main(['estimate', '--model', 'acme/llama-7b', '--device-memory', '80GiB', '--json']))")
+    device = json.loads(run_offline(script, tmp_path / "home"))["device"]
+    assert device["num_parameters"] == 6_738_415_616
+    missing = ("import sys; from ponytail.cli import main; sys.stderr = sys.stdout; "
+               "sys.exit(0 if main(['estimate', '--model', 'acme/nothing-here']) == 2 else 1)")
+    said = run_offline(missing, tmp_path / "home")
+    assert said.startswith("ponytail: error: name_or_path='acme/nothing-here': this hub id is not in the hub cache")
+    assert "HF_HUB_OFFLINE=1 forbids downloading it" in said
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--num-layers", "32", "--num-kv-heads", "8", "--head-dim", "128", "--max-seq-len", "4096",
+      "--device-memory", "80GiB"], "--device-memory 80GiB needs --model: the weights it leaves room for are "
+                                   "counted from the model's config"),
+    (["--model", "{dir}", "--device-memory", "80GiB", "--gpu-memory", "60GiB"],
+     "--gpu-memory 60GiB and --device-memory 80GiB were both given; allowed: one"),
+    (["--model", "{dir}", "--gpu-memory-utilization", "0.8"],
+     "--gpu-memory-utilization 0.8 needs --device-memory (the device's total memory it is a share of)"),
+    (["--model", "{dir}", "--device-memory", "80GiB", "--gpu-memory-utilization", "1.5"],
+     "gpu_memory_utilization=1.5 is not supported; allowed: a share of the device's total memory in (0, 1]"),
+    (["--model", "{dir}", "--device-memory", "15GiB"],
+     "device_memory=16.1 GB leaves no KV memory for this model: its weights take 13.5 GB and one step 1.0 GB; "
+     "allowed: a larger device"),
+    (["--model", "{dir}", "--device-memory", "lots"], "device_memory='lots' is not a byte size"),
+    (["--model", "{dir}", "--device-memory", "80GiB", "--max-num-seqs", "0"],
+     "--max-num-seqs 0 is not supported; allowed: an integer >= 1"),
+    (["--model", "{dir}", "--revision", "v2"], "--revision v2 names a version of a hub id, but --model is '{dir}'; "
+                                              "allowed: --revision with --model ORG/NAME"),
+])
+def test_device_flags_that_cannot_work_are_refused_by_name(capsys, llama7b_dir, argv, message):
+    argv = [a.replace("{dir}", str(llama7b_dir)) for a in argv]
+    code, out, err = run(capsys, "estimate", *argv)
+    assert (code, out) == (2, "")
+    assert err.startswith("ponytail: error: " + message.replace("{dir}", str(llama7b_dir)))

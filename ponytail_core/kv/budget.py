@@ -46,20 +46,39 @@ def step_headroom(text_config, max_num_batched_tokens: int, max_num_seqs: int, d
     return STEP_HEADROOM_FIXED + activations + max_num_seqs * vocab * 4
 
 
+def check_share(share: float) -> None:
+    """A ConfigError unless gpu_memory_utilization=share is a share of the device in (0, 1]."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ConfigError(f"gpu_memory_utilization={share!r} is not supported; allowed: a share of the "
+                          "device's total memory in (0, 1], e.g. 0.9 (or None: kv_cache_memory decides)")
+
+
+def share_budget(total: int, share: float, held: int) -> int:
+    """gpu_memory_utilization=share's KV budget on a device of `total` bytes where this process holds
+    `held` (the weights and torch's cache): the share of the device less that."""
+    return int(total * share) - held
+
+
+def default_budget(total: int, in_use: int, headroom: int, available: int | None = None) -> int:
+    """The default KV ceiling on a device of `total` bytes with `in_use` taken (the weights, the
+    CUDA context, other tenants): DEFAULT_GPU_SHARE of the device less that and one step's
+    activations, and no more than is `available` (default: all that is not in use)."""
+    available = total - in_use if available is None else available
+    return min(int(total * DEFAULT_GPU_SHARE) - in_use, available) - headroom
+
+
 def _share_of_device(share: float, device: torch.device) -> int:
     """KV budget for gpu_memory_utilization (as vLLM's): this process may hold `share` of the
     device's total memory; the KV pool gets that less what the process holds already (weights,
     CUDA graphs' pools, torch's cache). Independent of what others hold now, so two replicas at
     0.45 each fit one GPU whatever order they start in."""
-    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
-        raise ConfigError(f"gpu_memory_utilization={share!r} is not supported; allowed: a share of the "
-                          "device's total memory in (0, 1], e.g. 0.9 (or None: kv_cache_memory decides)")
+    check_share(share)
     if device.type != "cuda":
         raise ConfigError(f"gpu_memory_utilization={share!r} needs a CUDA device; the model is on {device}: "
                           "use kv_cache_memory")
     _, total = torch.cuda.mem_get_info(device)
     held = torch.cuda.memory_reserved(device)
-    budget = int(total * share) - held
+    budget = share_budget(total, share, held)
     if budget <= 0:
         raise ConfigError(f"gpu_memory_utilization={share!r} allows {format_bytes(int(total * share))} of "
                           f"{format_bytes(total)}, but this process already holds {format_bytes(held)} "
@@ -77,7 +96,7 @@ def _default_device_share(device: torch.device, headroom: int) -> int:
     free, total = torch.cuda.mem_get_info(device)
     available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     in_use = total - available
-    budget = min(int(total * DEFAULT_GPU_SHARE) - in_use, available) - headroom
+    budget = default_budget(total, in_use, headroom, available)
     if budget <= 0:
         raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(in_use)} of "
                           f"{format_bytes(total)} in use (this process's weights and any other tenant's), 90% "

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
+from .capacity import DeviceCapacity
 from .config import DEFAULT_BLOCK_SIZE, CacheConfig
+from ..errors import ConfigError
 from ..utils.dtypes import dtype_name
 from ..utils.units import format_bytes, format_bytes_binary, parse_bytes
 
@@ -29,6 +31,7 @@ class KVEstimate:
     total_bytes_blocks: int  # the same with each sequence rounded up to whole blocks
     gpu_memory: int | None  # KV memory available, if asked
     max_concurrent_seqs: int | None  # full-length sequences that fit in gpu_memory, if asked
+    device: DeviceCapacity | None = None  # with a device's total memory: how gpu_memory was sized
 
     @property
     def bytes_per_seq_blocks(self) -> int:
@@ -52,7 +55,9 @@ class KVEstimate:
             f"  total:               {describe_bytes(self.total_bytes)}",
             f"  total, whole blocks: {describe_bytes(self.total_bytes_blocks)}",
         ]
-        if self.gpu_memory is not None:
+        if self.device is not None:
+            lines.extend(self.device.summary(self.max_seq_len))
+        elif self.gpu_memory is not None:
             lines.append(
                 f"  gpu memory:          {describe_bytes(self.gpu_memory)} holds "
                 f"{self.max_concurrent_seqs:,} sequences of {self.max_seq_len:,} tokens"
@@ -91,9 +96,16 @@ def estimate_kv_cache(
     return estimate_from_config(config, gpu_memory=gpu_memory)
 
 
-def estimate_from_config(config: CacheConfig, gpu_memory: int | str | None = None) -> KVEstimate:
-    """Estimate the KV memory of config's max_batch_size sequences of max_seq_len tokens."""
-    gpu = None if gpu_memory is None else parse_bytes(gpu_memory, "gpu_memory")
+def estimate_from_config(config: CacheConfig, gpu_memory: int | str | None = None,
+                         device: DeviceCapacity | None = None) -> KVEstimate:
+    """Estimate the KV memory of config's max_batch_size sequences of max_seq_len tokens; gpu_memory:
+    the KV memory available, or device: a device's capacity (capacity.py), whose pool it is."""
+    if gpu_memory is not None and device is not None:
+        raise ConfigError(f"gpu_memory={gpu_memory!r} and a device's capacity were both given; allowed: one")
+    if device is not None:
+        gpu = device.kv_budget
+    else:
+        gpu = None if gpu_memory is None else parse_bytes(gpu_memory, "gpu_memory")
     tokens_rounded = config.blocks_per_seq * config.block_size
     seq_bytes = tokens_rounded * config.bytes_per_token
     return KVEstimate(
@@ -110,4 +122,5 @@ def estimate_from_config(config: CacheConfig, gpu_memory: int | str | None = Non
         total_bytes_blocks=seq_bytes * config.max_batch_size,
         gpu_memory=gpu,
         max_concurrent_seqs=None if gpu is None else gpu // seq_bytes,
+        device=device,
     )
