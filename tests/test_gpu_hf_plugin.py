@@ -50,3 +50,21 @@ def test_generate_with_ponytail_cache_matches_plain_generate(dtype, tol, monkeyp
     if dtype == torch.float32:
         assert torch.equal(ours.sequences, plain.sequences)
     assert cache.paged.invariants() == []
+
+
+def test_beam_search_on_the_gpu_matches_plain_generate(monkeypatch):
+    """Beams share blocks and copy a shared last block on write (copy_blocks on the device): fp32
+    sequences equal plain generate's, and the prompt is held once per batch row."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model, ids, mask = model_and_prompts(torch.float32)
+    ids, mask = ids[:2], mask[:2]
+    settings = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0, num_beams=4,
+                    num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
+    plain = model.generate(ids, **settings)
+    cache = ponytail.create_cache(model=model, max_batch_size=8, max_seq_len=256)
+    ours = model.generate(ids, cache=cache, **settings)
+    assert torch.equal(ours.sequences, plain.sequences)
+    torch.testing.assert_close(ours.sequences_scores, plain.sequences_scores, rtol=1e-3, atol=1e-3)
+    apart = sum(-(-cache.paged.seq_len(row) // cache.config.block_size) for row in range(8))
+    assert cache.stats().used_blocks < apart  # beams of one prompt share its blocks
+    assert cache.paged.invariants() == []

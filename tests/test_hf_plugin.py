@@ -207,3 +207,69 @@ def test_default_model_greedy_equals_plain_generate_single_and_left_padded(defau
         assert "Paris" in answer
     finally:
         model.set_attn_implementation(original)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_beam_search_equals_plain_generate(name, batch):
+    """num_beams and num_return_sequences: the same sequences and scores as plain generate."""
+    model = make_model(name)
+    ids, mask = prompts(batch)
+    settings = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, num_beams=3,
+                    num_return_sequences=2, return_dict_in_generate=True, output_scores=True)
+    expected = model.generate(ids, **settings)
+    cache = ponytail.create_cache(model=model, max_batch_size=3 * batch, max_seq_len=64, block_size=4)
+    got = model.generate(ids, cache=cache, **settings)
+    assert torch.equal(got.sequences, expected.sequences), f"{got.sequences} != {expected.sequences}"
+    torch.testing.assert_close(got.sequences_scores, expected.sequences_scores, rtol=1e-4, atol=1e-4)
+    assert len(set(map(tuple, got.sequences.tolist()))) > 1  # the beams went different ways
+    cache.reset()
+    assert cache.stats().used_blocks == 0 and cache.paged.invariants() == []
+
+
+def test_beams_hold_their_shared_prompt_once():
+    model = make_model("llama")
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, 128, (1, 40), generator=gen)
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=64, block_size=4)
+    model.generate(ids, cache=cache, max_new_tokens=12, do_sample=False, pad_token_id=0, num_beams=4)
+    # 4 rows of 51 tokens would need 4 x 13 blocks apart; the 10 full prompt blocks are held once,
+    # and each beam owns at most its 11 new tokens' blocks (3) and one the prompt's end shares.
+    assert cache.stats().used_blocks <= 10 + 4 * 4 < 4 * 13
+    assert [cache.paged.seq_len(row) for row in range(4)] == [51] * 4
+    assert cache.paged.invariants() == []
+
+
+def test_rows_are_repeated_and_selected_with_their_kv():
+    model = make_model("llama")
+    ids, mask = prompts(2)
+    cache = ponytail.create_cache(model=model, max_batch_size=6, max_seq_len=64, block_size=4)
+    generate(model, ids, mask, cache, new=5)
+    held = [cache.paged.read(row) for row in range(2)]
+    cache.batch_repeat_interleave(3)
+    assert cache.batch_size == 6
+    for row in range(6):
+        assert torch.equal(cache.paged.read(row), held[row // 3])
+    cache.batch_select_indices(torch.tensor([5, 0]))
+    assert cache.batch_size == 2
+    assert torch.equal(cache.paged.read(0), held[1]) and torch.equal(cache.paged.read(1), held[0])
+    assert cache.stats().used_blocks == sum(-(-cache.paged.seq_len(row) // 4) for row in range(2))
+    assert cache.paged.invariants() == []
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda c: c.reorder_cache(torch.tensor([0, 2])),
+     r"beam_idx=\[0, 2\] is not supported; allowed: row numbers in \[0, 2\) of the cache's 2 rows, at least one"),
+    (lambda c: c.batch_select_indices([]), r"indices=\[\] is not supported; allowed: row numbers in \[0, 2\)"),
+    (lambda c: c.batch_repeat_interleave(4), r"repeats asks for 8 rows; the cache's max_batch_size is 4: raise it"),
+    (lambda c: c.batch_repeat_interleave(0), r"repeats=0 is not supported; allowed: an integer >= 1"),
+    (lambda c: c.crop(-1), r"assisted decoding \(crop\) is not supported by the Ponytail cache yet"),
+])
+def test_row_changes_that_cannot_work_are_refused_and_change_nothing(call, message):
+    model = make_model("llama")
+    cache = ponytail.create_cache(model=model, max_batch_size=4, max_seq_len=64, block_size=4)
+    generate(model, *prompts(2), cache, new=3)
+    before = [cache.paged.read(row) for row in range(2)]
+    with pytest.raises((ConfigError, NotImplementedError), match=message):
+        call(cache)
+    assert cache.batch_size == 2 and all(torch.equal(cache.paged.read(r), before[r]) for r in range(2))

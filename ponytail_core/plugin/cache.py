@@ -63,6 +63,45 @@ class PonytailCache(PagedCacheBase):
         self._rows, self.seen_tokens, self.step = 0, 0, None
         self._awaiting_attention, self._mid_step = None, False
 
+    # -------------------------------------------- beam search, repeated and selected rows
+    def reorder_cache(self, beam_idx) -> None:
+        """Beam search: row i continues what row beam_idx[i] held. Rows share blocks (ref counts,
+        nothing copied); a shared partial last block is copied when a row next writes to it."""
+        self._select_rows(beam_idx, "beam_idx")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows in a row (num_return_sequences over a filled cache)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise ConfigError(f"repeats={repeats!r} is not supported; allowed: an integer >= 1")
+        self._select_rows([row for row in range(self._rows) for _ in range(repeats)], "repeats")
+
+    def batch_select_indices(self, indices) -> None:
+        """Keep the rows `indices` names, in that order."""
+        self._select_rows(indices, "indices")
+
+    def _select_rows(self, order, name: str) -> None:
+        order = [int(i) for i in (order.tolist() if isinstance(order, torch.Tensor) else order)]
+        if self._mid_step:
+            raise ConfigError(f"{name}: rows cannot be rearranged in the middle of a forward pass")
+        bad = [i for i in order if not 0 <= i < self._rows]
+        if bad or not order:
+            raise ConfigError(f"{name}={order[:8]}{'...' if len(order) > 8 else ''} is not supported; allowed: "
+                              f"row numbers in [0, {self._rows}) of the cache's {self._rows} rows, at least one")
+        if len(order) > self.config.max_batch_size:
+            raise ConfigError(f"{name} asks for {len(order)} rows; the cache's max_batch_size is "
+                              f"{self.config.max_batch_size}: raise it in create_cache")
+        if order == list(range(self._rows)):
+            return
+        staged = [("staged", row) for row in range(len(order))]
+        for row, source in zip(staged, order):
+            self.paged.fork(source, row)
+        for row in range(self._rows):
+            self.paged.free(row)
+        for row, source in enumerate(staged):  # back under the row numbers the model's batch uses
+            self.paged.fork(source, row)
+            self.paged.free(source)
+        self._rows = len(order)
+
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         batch, _, query_len, _ = query.shape
         if layer_idx == 0:
