@@ -22,6 +22,7 @@ from .models.loader import load_model, load_tokenizer  # noqa: E402
 from .models.chat_template import check_chat_template_options, is_chat_template, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from .sampling.logprob import Logprob, TokenTexts  # noqa: E402
 from .sampling.params import SamplingParams  # noqa: E402
 from .sampling.structured import StructuredOutputsParams  # noqa: E402
@@ -31,6 +32,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncLLM",
+    "BeamSearchOutput",
+    "BeamSearchParams",
+    "BeamSearchSequence",
     "CompletionOutput",
     "EngineStats",
     "LLM",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import logging
+from functools import partial
 from typing import Any
 
 import torch
@@ -19,7 +20,8 @@ from .engine.stats import EngineStats
 from .models.loader import load_model, load_tokenizer
 from .runner.compile import can_compile
 from .runner.fused_projections import can_fuse
-from .engine.request import RequestOutput
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from .engine.request import RequestOutput, unpack_prompt
 from .attention.fa4 import choose_prefill_attention
 from .kv.budget import kv_budget, step_headroom
 from .kv.paged_cache import PagedKVCache
@@ -267,6 +269,50 @@ class LLM:
         for request in requests:
             engine.forget(request.request_id)
         return outputs
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (engine/beam_search.py): a prompt's beam_width best sequences, best
+        first; each step every live beam runs as a one-token request, its prefix found in the cache.
+        prompts: as generate takes them; concurrency_limit: prompts searched at once (None: all)."""
+        _refuse_lora(lora_request)
+        if not isinstance(params, BeamSearchParams):
+            raise ConfigError(f"params must be a ponytail.BeamSearchParams, got {type(params).__name__}")
+        if concurrency_limit is not None and (isinstance(concurrency_limit, bool) or
+                                              not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ConfigError(f"concurrency_limit={concurrency_limit!r} is not supported; allowed: an integer >= 1 "
+                              "or None")
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        unpacked = [unpack_prompt(prompt) for prompt in prompts]
+        token_lists = [self.engine.prompt_token_ids(prompt) for prompt, _ in unpacked]
+        for tokens in token_lists:
+            if len(tokens) + params.max_tokens > self.max_model_len:
+                raise ConfigError(f"a prompt of {len(tokens)} tokens and max_tokens={params.max_tokens} exceed "
+                                  f"max_model_len={self.max_model_len}; allowed: at most that many in all")
+        decode = None if self.tokenizer is None else partial(self.tokenizer.decode, skip_special_tokens=True)
+        limit = concurrency_limit or max(1, len(prompts))
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=cdiv(len(prompts), limit) * params.max_tokens, desc="beam search", unit="step")
+        results: list[BeamSearchOutput] = []
+        try:
+            for start in range(0, len(prompts), limit):
+                salts = [salt for _, salt in unpacked[start: start + limit]]
+
+                def step(beams, sampling, salts=salts):
+                    return self.generate([{"prompt_token_ids": tokens, **({"cache_salt": salts[index]}
+                                                                         if salts[index] else {})}
+                                          for index, tokens in beams], sampling)
+
+                results += beam_search(step, token_lists[start: start + limit], params, self.engine.eos_token_ids,
+                                       decode, on_step=progress.update if progress is not None else None)
+        finally:
+            if progress is not None:
+                progress.close()
+        return results
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | list[SamplingParams] | None = None, use_tqdm: bool = False, *,

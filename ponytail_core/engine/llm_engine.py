@@ -136,7 +136,7 @@ class LLMEngine:
             raise ConfigError(f"request_id={request_id!r} is already in use")
         prompt, salt = unpack_prompt(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                          prompt_token_ids=self._prompt_token_ids(prompt), params=params,
+                          prompt_token_ids=self.prompt_token_ids(prompt), params=params,
                           eos_token_ids=self.eos_token_ids, cache_salt=salt, priority=priority)
         start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it
         self.scheduler.check_fits(request)  # refuses what can never fit
@@ -162,7 +162,7 @@ class LLMEngine:
                                                                   request.params)
         self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
-    def _prompt_token_ids(self, prompt) -> list[int]:
+    def prompt_token_ids(self, prompt) -> list[int]:  # text tokenized as the engine does; ids checked
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ConfigError("this engine has no tokenizer (tokenizer=None): give prompts as token ids")

@@ -1,0 +1,118 @@
+"""Beam search as vLLM's LLM.beam_search runs it: one token a step for every live beam, as a
+request of its own, so the beams of a prompt share its cached blocks through the prefix cache.
+
+Each step every beam asks for its 2 x beam_width most likely next tokens (their raw logprobs); a
+candidate's score is its summed logprob over (tokens, the prompt's included, an EOS at the end
+not counted) ** length_penalty, and the beam_width best candidates of a prompt live on. A
+candidate ending in EOS is complete (unless ignore_eos); after max_tokens steps the beam_width
+best of the complete and live ones are the answer, best first.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..errors import ConfigError
+from ..sampling.params import MAX_LOGPROBS, SamplingParams
+
+
+@dataclass(slots=True)
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: the beams kept a step, the tokens a beam may add, and the rest."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        widest = MAX_LOGPROBS // 2  # each beam asks for 2 x beam_width logprobs
+        for name, value, low, high in (("beam_width", self.beam_width, 1, widest),
+                                       ("max_tokens", self.max_tokens, 1, None)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                raise ConfigError(f"{name}={value!r} is not supported; allowed: an integer from {low}"
+                                  + (f" to {high}" if high else " up"))
+        if isinstance(self.length_penalty, bool) or not isinstance(self.length_penalty, (int, float)) \
+                or not math.isfinite(self.length_penalty):
+            raise ConfigError(f"length_penalty={self.length_penalty!r} is not supported; allowed: a finite number")
+
+
+@dataclass(slots=True)
+class BeamSearchSequence:
+    """One beam: its tokens (the prompt's first), per generated token the logprobs it was chosen
+    from, their sum, and once returned its text and why it ended."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    stop_reason: int | None = None  # the EOS token that ended it
+
+
+@dataclass(slots=True)
+class BeamSearchOutput:
+    """A prompt's answer: its beam_width best sequences, best first."""
+
+    sequences: list[BeamSearchSequence]
+
+
+def beam_score(sequence: BeamSearchSequence, eos_token_ids: frozenset[int], length_penalty: float) -> float:
+    length = len(sequence.tokens) - (1 if sequence.tokens[-1] in eos_token_ids else 0)
+    return sequence.cum_logprob / (length ** length_penalty)
+
+
+# generate([(prompt index, a beam's token ids)], one SamplingParams for all) -> one output each, in order
+Generate = Callable[[list[tuple[int, list[int]]], SamplingParams], list[Any]]
+
+
+def beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
+                eos_token_ids: frozenset[int], decode: Callable[[list[int]], str] | None = None,
+                on_step: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
+    """Run every prompt's search together, one generate call a step; decode gives the texts;
+    on_step is called after each step (progress bars)."""
+    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
+                                 ignore_eos=True)
+    live = [[BeamSearchSequence(tokens=list(prompt))] for prompt in prompts]
+    complete: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+
+    def score(sequence: BeamSearchSequence) -> float:
+        return beam_score(sequence, eos_token_ids, params.length_penalty)
+
+    for _ in range(params.max_tokens):
+        beams = [(index, beam) for index, group in enumerate(live) for beam in group]
+        if not beams:
+            break
+        outputs = generate([(index, beam.tokens) for index, beam in beams], step_params)
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for (index, beam), output in zip(beams, outputs):
+            if output.error is not None:
+                raise ConfigError(f"beam search: a step's request failed: {output.error}")
+            step_logprobs = output.outputs[0].logprobs[0]
+            for token, logprob in step_logprobs.items():
+                child = BeamSearchSequence(tokens=beam.tokens + [token], logprobs=beam.logprobs + [step_logprobs],
+                                           cum_logprob=beam.cum_logprob + logprob)
+                if token in eos_token_ids and not params.ignore_eos:
+                    child.finish_reason, child.stop_reason = "stop", token
+                    complete[index].append(child)
+                else:
+                    candidates[index].append(child)
+        live = [sorted(group, key=score, reverse=True)[: params.beam_width] for group in candidates]
+        if on_step is not None:
+            on_step()
+    results = []
+    for prompt, group, done in zip(prompts, live, complete):
+        best = sorted(done + group, key=score, reverse=True)[: params.beam_width]
+        for sequence in best:
+            sequence.finish_reason = sequence.finish_reason or "length"
+            if decode is not None:
+                generated = sequence.tokens[len(prompt):]
+                if sequence.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    generated = generated[:-1]
+                sequence.text = decode(generated)
+        results.append(BeamSearchOutput(sequences=best))
+    return results
