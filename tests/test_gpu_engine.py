@@ -263,3 +263,20 @@ def test_logprobs_on_gpu_carry_vllm_ranks(monkeypatch):
         # Counted on the engine's logits: a token within float noise of the chosen one may count or not.
         low, high = int((dist > dist[token] + 1e-3).sum()) + 1, int((dist >= dist[token] - 1e-3).sum())
         assert low <= entry[token].rank <= high
+
+
+def test_beam_search_on_gpu_equals_transformers_beam_search(monkeypatch):
+    """LLM.beam_search's one-token steps (prefix cache hits, graph replays where a step only
+    decodes) find transformers' num_beams sequences, fp32, with EOS out of play."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    rng = random.Random(2)
+    prompts = [[rng.randrange(1, 1000) for _ in range(n)] for n in (45, 130)]
+    expected = [model.generate(torch.tensor([p], device="cuda"), num_beams=4, num_return_sequences=4,
+                               max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                               length_penalty=0.0).tolist() for p in prompts]
+    llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=16, max_model_len=512)
+    got = llm.beam_search(prompts, ponytail.BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
+    assert [[s.tokens for s in output.sequences] for output in got] == expected
+    stats = llm.stats()
+    assert stats.used_blocks == 0 and stats.prefix_cache_hits > 0 and llm.engine.cache.invariants() == []

@@ -70,49 +70,72 @@ def beam_score(sequence: BeamSearchSequence, eos_token_ids: frozenset[int], leng
 Generate = Callable[[list[tuple[int, list[int]]], SamplingParams], list[Any]]
 
 
-def beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
-                eos_token_ids: frozenset[int], decode: Callable[[list[int]], str] | None = None,
-                on_step: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
-    """Run every prompt's search together, one generate call a step; decode gives the texts;
-    on_step is called after each step (progress bars)."""
-    step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width,
-                                 ignore_eos=True)
-    live = [[BeamSearchSequence(tokens=list(prompt))] for prompt in prompts]
-    complete: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+class BeamSearch:
+    """The search's state between steps, for any driver: beams() names the next step's one-token
+    requests, advance() takes their outputs in that order, results() ranks what is left."""
 
-    def score(sequence: BeamSearchSequence) -> float:
-        return beam_score(sequence, eos_token_ids, params.length_penalty)
+    def __init__(self, prompts: list[list[int]], params: BeamSearchParams, eos_token_ids: frozenset[int]):
+        self.prompts, self.params, self.eos_token_ids = [list(p) for p in prompts], params, eos_token_ids
+        self.step_params = SamplingParams(max_tokens=1, temperature=params.temperature,
+                                          logprobs=2 * params.beam_width, ignore_eos=True)
+        self.steps = 0
+        self._live = [[BeamSearchSequence(tokens=list(prompt))] for prompt in self.prompts]
+        self._complete: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
+        self._asked: list[tuple[int, BeamSearchSequence]] = []
 
-    for _ in range(params.max_tokens):
-        beams = [(index, beam) for index, group in enumerate(live) for beam in group]
-        if not beams:
-            break
-        outputs = generate([(index, beam.tokens) for index, beam in beams], step_params)
-        candidates: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (index, beam), output in zip(beams, outputs):
+    def score(self, sequence: BeamSearchSequence) -> float:
+        return beam_score(sequence, self.eos_token_ids, self.params.length_penalty)
+
+    def beams(self) -> list[tuple[int, list[int]]]:
+        """(prompt index, token ids) of every live beam; empty once the search is over."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        self._asked = [(index, beam) for index, group in enumerate(self._live) for beam in group]
+        return [(index, beam.tokens) for index, beam in self._asked]
+
+    def advance(self, outputs: list[Any]) -> None:
+        """The step's outputs (RequestOutput-like, one per beams() entry, in order)."""
+        candidates: list[list[BeamSearchSequence]] = [[] for _ in self.prompts]
+        for (index, beam), output in zip(self._asked, outputs, strict=True):
             if output.error is not None:
                 raise ConfigError(f"beam search: a step's request failed: {output.error}")
             step_logprobs = output.outputs[0].logprobs[0]
             for token, logprob in step_logprobs.items():
                 child = BeamSearchSequence(tokens=beam.tokens + [token], logprobs=beam.logprobs + [step_logprobs],
                                            cum_logprob=beam.cum_logprob + logprob)
-                if token in eos_token_ids and not params.ignore_eos:
+                if token in self.eos_token_ids and not self.params.ignore_eos:
                     child.finish_reason, child.stop_reason = "stop", token
-                    complete[index].append(child)
+                    self._complete[index].append(child)
                 else:
                     candidates[index].append(child)
-        live = [sorted(group, key=score, reverse=True)[: params.beam_width] for group in candidates]
+        width = self.params.beam_width
+        self._live = [sorted(group, key=self.score, reverse=True)[:width] for group in candidates]
+        self.steps = self.params.max_tokens if not any(self._live) else self.steps + 1
+
+    def results(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        """Each prompt's beam_width best complete or live sequences, best first; decode: their texts."""
+        results = []
+        for prompt, group, done in zip(self.prompts, self._live, self._complete):
+            best = sorted(done + group, key=self.score, reverse=True)[: self.params.beam_width]
+            for sequence in best:
+                sequence.finish_reason = sequence.finish_reason or "length"
+                if decode is not None:
+                    generated = sequence.tokens[len(prompt):]
+                    if sequence.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+                        generated = generated[:-1]
+                    sequence.text = decode(generated)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
+
+def beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearchParams,
+                eos_token_ids: frozenset[int], decode: Callable[[list[int]], str] | None = None,
+                on_step: Callable[[], None] | None = None) -> list[BeamSearchOutput]:
+    """Run every prompt's search together, one generate call a step; decode gives the texts;
+    on_step is called after each step (progress bars)."""
+    search = BeamSearch(prompts, params, eos_token_ids)
+    while beams := search.beams():
+        search.advance(generate(beams, search.step_params))
         if on_step is not None:
             on_step()
-    results = []
-    for prompt, group, done in zip(prompts, live, complete):
-        best = sorted(done + group, key=score, reverse=True)[: params.beam_width]
-        for sequence in best:
-            sequence.finish_reason = sequence.finish_reason or "length"
-            if decode is not None:
-                generated = sequence.tokens[len(prompt):]
-                if sequence.finish_reason == "stop" and not params.include_stop_str_in_output:
-                    generated = generated[:-1]
-                sequence.text = decode(generated)
-        results.append(BeamSearchOutput(sequences=best))
-    return results
+    return search.results(decode)
