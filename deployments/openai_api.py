@@ -54,7 +54,7 @@ from .openai_protocol import (ChatChoice, ChatChunkChoice, ChatCompletion, ChatC
                               ChatCompletionRequest, ChatDelta, ChatMessage, Completion, CompletionChoice,
                               CompletionChunk, CompletionRequest, DetokenizeRequest, DetokenizeResponse,
                               ErrorInfo, TokenizeRequest, TokenizeResponse, ErrorResponse, Model, ModelList,
-                              Usage, to_generate_requests)
+                              Usage, set_beam_search, to_generate_requests)
 from .api_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .api_metrics import ApiMetrics
 from .openai_logprobs import chat_logprobs, completion_logprobs
@@ -478,6 +478,7 @@ class _OpenAIServer:
                 else None  # one choice
             for generate in generates:
                 SamplingParams(**generate.sampling)  # a bad value raises ConfigError naming the field
+                set_beam_search(req, generate)
             if req.priority and info.scheduling_policy == "fcfs":  # before it reaches an engine
                 raise ConfigError(f"priority={req.priority} needs the server's scheduling_policy: priority; allowed: "
                                   "0 (requests are served first come, first served)")

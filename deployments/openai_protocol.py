@@ -24,7 +24,7 @@ from pydantic_core import PydanticCustomError
 from ponytail import ConfigError, check_chat_template_options
 
 from .openai_logprobs import ChatLogprobs, CompletionLogprobs
-from .protocol import GenerateRequest
+from .protocol import BEAM_SEARCH_SAMPLING, GenerateRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -130,8 +130,9 @@ class _SamplingRequest(_Request):
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
     # vLLM's extras the engine cannot honour yet: refused with their values rather than ignored
-    use_beam_search: Annotated[Unsupported, _unsupported(lambda v: v is False, "use_beam_search")] = None
-    length_penalty: Annotated[Unsupported, _unsupported(lambda v: v == 1, "length_penalty other than 1")] = None
+    # vLLM's beam search: the n best of n beams (ponytail.LLM.beam_search), ranked by length_penalty
+    use_beam_search: bool | None = None
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     priority: int = 0  # vLLM's: lower runs first, where the server's scheduling_policy is "priority"
     logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
 
@@ -292,8 +293,8 @@ class ChatCompletionRequest(_SamplingRequest):
                 return given[0]
             forced = self.tools and self.tool_choice not in (None, "none", "auto")
             return "tools" if forced else "response_format"
-        if sampling_name == "logprobs":
-            return "top_logprobs"
+        if sampling_name == "logprobs":  # logprobs=true alone asks for 0 top ones
+            return "top_logprobs" if self.top_logprobs is not None else "logprobs"
         return "messages" if sampling_name == "prompt" else sampling_name
 
 
@@ -405,6 +406,40 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
                            cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority)
+
+
+MAX_BEAMS = 10  # ponytail.BeamSearchParams' limit: each beam asks for 2 x n of at most 20 logprobs a step
+
+
+def set_beam_search(req: CompletionRequest | ChatCompletionRequest, generate: GenerateRequest) -> None:
+    """generate.beam_search from use_beam_search and length_penalty (once the sampling fields are
+    final: tools and response formats add to them); ConfigError names what cannot go with it."""
+    if not req.use_beam_search:
+        if req.length_penalty is not None and req.length_penalty != 1:
+            raise ConfigError(f"length_penalty={req.length_penalty} ranks beams and needs use_beam_search=true; "
+                              "allowed without it: 1, or leave it out")
+        return
+    field = req.field_name if isinstance(req, ChatCompletionRequest) else (lambda name: name)
+    others = [name for name in generate.sampling if name not in BEAM_SEARCH_SAMPLING]
+    if generate.tools:
+        others.insert(0, "tools")
+    if getattr(req, "echo", False):
+        others.insert(0, "echo")
+    if req.stream:
+        others.insert(0, "stream")
+    if others:
+        name = others[0]
+        value = {"tools": "[...]", "echo": "true", "stream": "true"}.get(name)
+        if value is None and field(name) == "logprobs" and isinstance(req, ChatCompletionRequest):
+            value = "true"  # chat's logprobs=true alone
+        elif value is None:
+            name, value = field(name), _shown(generate.sampling[name])
+        raise ConfigError(f"{name}={value} cannot be combined with use_beam_search=true; allowed with it: "
+                          f"{', '.join(field(name) for name in BEAM_SEARCH_SAMPLING)}, length_penalty")
+    beams = generate.sampling.get("n", 1)
+    if beams > MAX_BEAMS:
+        raise ConfigError(f"n={beams} with use_beam_search=true asks for {beams} beams; allowed: at most {MAX_BEAMS}")
+    generate.beam_search = {"length_penalty": 1.0 if req.length_penalty is None else float(req.length_penalty)}
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any] | None:

@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from ponytail import EngineStats
 
 
+# What a beam search takes from sampling (vLLM's BeamSearchParams); any other field is refused with it.
+BEAM_SEARCH_SAMPLING = ("n", "max_tokens", "temperature", "ignore_eos", "include_stop_str_in_output",
+                        "skip_special_tokens")
+
+
 @dataclass(slots=True)
 class GenerateRequest:
     prompt: str | list[int] | None = None  # text or token ids (completions)
@@ -43,6 +48,9 @@ class GenerateRequest:
     # default): the replica lowers sampling's max_tokens (the bound: the context, or the operator's
     # max_output_tokens; the context when absent) to what the prompt leaves of the context.
     max_tokens_to_context: bool = False
+    # vLLM's use_beam_search: sampling's n beams, its max_tokens, temperature, ignore_eos and
+    # include_stop_str_in_output; this holds the rest ({"length_penalty": ...}); None: no beam search.
+    beam_search: dict[str, Any] | None = None
 
     def num_prompt_tokens_hint(self) -> int:
         """A cheap upper-bound guess of prompt tokens for routing, before tokenizing."""

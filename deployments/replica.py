@@ -25,7 +25,7 @@ from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template,
 from .reasoning import REASONING_PARSERS, THINK, ReasoningTokens, served_reasoning_format, thought_opens
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
-from .protocol import (STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
+from .protocol import (BEAM_SEARCH_SAMPLING, STAT_BLOCK_SIZE, STAT_FREE_BLOCKS, STAT_NUM_RUNNING, STAT_NUM_WAITING,
                        STAT_STARTABLE_BLOCKS, STAT_TIME, STAT_TOTAL_BLOCKS, GenerateDelta, GenerateRequest,
                        ModelInfo, ReplicaReport, TokenLogprob)
 
@@ -181,6 +181,10 @@ class EngineReplica:
                 f"max_model_len={self.info.max_model_len})", len(prompt), params.max_tokens, self.max_prompt_tokens)
         if request.max_tokens_to_context and isinstance(prompt, list):
             params = self._to_context(params, len(prompt))
+        if request.beam_search is not None:
+            for out in await self._beam_search(prompt, params, request):
+                yield out
+            return
         if request.cache_salt is not None:  # vLLM's prompt dict carries it to the engine
             prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt,
                       "cache_salt": request.cache_salt}
@@ -220,6 +224,33 @@ class EngineReplica:
             if delta.finished:
                 self._finished(output)
             yield out
+
+    async def _beam_search(self, prompt: str | list[int], params: SamplingParams,
+                           request: GenerateRequest) -> list[GenerateDelta]:
+        """use_beam_search: params.n beams (ponytail.LLM.beam_search's search on this engine), one
+        whole delta per returned sequence, best first, the last one finishing the request."""
+        others = sorted(set(request.sampling) - set(BEAM_SEARCH_SAMPLING))
+        if others:  # a handle caller's request, which no API checked
+            raise ponytail.ConfigError(f"{others[0]}={request.sampling[others[0]]!r:.60} cannot be combined with "
+                                       f"beam_search; allowed with it: {', '.join(BEAM_SEARCH_SAMPLING)}")
+        if isinstance(prompt, str):  # as the engine tokenizes text
+            prompt = (await asyncio.to_thread(self.tokenizer, prompt, add_special_tokens=True))["input_ids"]
+        beam = ponytail.BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
+                                         ignore_eos=params.ignore_eos, temperature=params.temperature,
+                                         length_penalty=request.beam_search["length_penalty"],
+                                         include_stop_str_in_output=params.include_stop_str_in_output)
+        result = await self.async_llm.beam_search(prompt, beam, request.request_id, request.cache_salt,
+                                                  request.priority, params.skip_special_tokens)
+        outs = []
+        for index, sequence in enumerate(result.sequences):
+            token_ids = sequence.tokens[len(prompt):]
+            out = GenerateDelta(request_id=request.request_id, text=sequence.text or "", token_ids=token_ids,
+                                finished=index == len(result.sequences) - 1, finish_reason=sequence.finish_reason,
+                                prompt_tokens=len(prompt), completion_tokens=len(token_ids), index=index)
+            if request.count_reasoning:
+                out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(token_ids)
+            outs.append(out)  # stop_reason stays None: a beam stops on EOS only
+        return outs
 
     def _final_deltas(self, delta, request: GenerateRequest, params: SamplingParams) -> list[GenerateDelta]:
         """best_of: one whole delta per returned choice, the last one finishing the request."""

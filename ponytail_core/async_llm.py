@@ -25,9 +25,11 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from .errors import ConfigError
 from .llm import LLM
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search_async
 from .engine.llm_engine import LLMEngine
 from .engine.stats import EngineStats
 from .engine.request import Request, RequestOutput
@@ -98,6 +100,9 @@ class AsyncLLM:
             raise ConfigError(f"max_deltas_per_s={max_deltas_per_s!r} is not supported; allowed: a number > 0, "
                               "or None (no bound)")
         self.engine = llm.engine if isinstance(llm, LLM) else llm
+        # ProcessAsyncLLM (no engine here) sets both from its engine's process.
+        self.tokenizer = None if self.engine is None else self.engine.tokenizer
+        self.eos_token_ids: frozenset[int] = frozenset() if self.engine is None else self.engine.eos_token_ids
         self.stream_interval_s = float(stream_interval_s)
         self.max_deltas_per_s = None if max_deltas_per_s is None else float(max_deltas_per_s)
         self._incoming: deque[Request] = deque()  # prepared on the loop, enqueued by the worker
@@ -109,6 +114,15 @@ class AsyncLLM:
         self._wakeup: asyncio.Event | None = None
         self.num_steps = 0  # engine steps driven so far
         self.step_seconds = 0.0  # their time in the worker thread: with the wall clock, how busy the engine is
+
+    async def beam_search(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
+                          cache_salt: str | None = None, priority: int = 0,
+                          skip_special_tokens: bool = True) -> BeamSearchOutput:
+        """LLM.beam_search for one prompt on this engine's loop (engine/beam_search.py)."""
+        decode = None if self.tokenizer is None else partial(self.tokenizer.decode,
+                                                             skip_special_tokens=skip_special_tokens)
+        return await beam_search_async(self.generate, prompt_ids, params, self.eos_token_ids, request_id, decode,
+                                       cache_salt, priority)
 
     def stream_interval(self) -> float:
         """Seconds a stream waits after a delta: stream_interval_s, or longer with more streams past

@@ -45,6 +45,7 @@ class CoreInfo:
     device: str  # e.g. "cuda:0": the parent never touches the device itself
     device_uuid: str | None
     stats: EngineStats
+    eos_token_ids: frozenset[int] = frozenset()  # what ends an answer (beam search ranks by it)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ def run_engine_core(requests: Connection, news: Connection, llm_kwargs: dict, pr
         log = llm.publish_prefix_events(prefix_log_capacity) if prefix_log_capacity else None
         info = CoreInfo(tokenizer=llm.tokenizer, max_model_len=llm.max_model_len, block_size=llm.block_size,
                         vocab_size=llm.vocab_size, device=str(llm.device), device_uuid=llm.device_uuid,
-                        stats=llm.stats())
+                        stats=llm.stats(), eos_token_ids=llm.engine.eos_token_ids)
     except BaseException as exc:  # the parent raises it from its constructor
         news.send((INIT_FAILED, picklable(exc)))
         return

@@ -60,7 +60,7 @@ class ProcessAsyncLLM(AsyncLLM):
         # The parent process exiting normally stops the child first (a killed one closes the pipe).
         atexit.register(_shutdown_ref, weakref.ref(self))
         info = self._wait_until_ready()
-        self.tokenizer = info.tokenizer
+        self.tokenizer, self.eos_token_ids = info.tokenizer, info.eos_token_ids
         self.max_model_len, self.block_size, self.vocab_size = info.max_model_len, info.block_size, info.vocab_size
         self.device, self.device_uuid = torch.device(info.device), info.device_uuid
         self._stats: EngineStats = info.stats

@@ -195,3 +195,15 @@ def test_shutdown_stops_the_process_and_is_idempotent(llm_kwargs):
     assert not engine._process.is_alive() and engine._process.exitcode == 0
     with pytest.raises(EngineDeadError, match="it was shut down"):
         asyncio.run(_one(engine.generate("after", GREEDY)))
+
+
+def test_beam_search_in_the_engine_process_equals_the_in_process_one(engine, llm_kwargs):
+    """The child sends its EOS ids with its tokenizer: beams end and rank there as in LLM.beam_search."""
+    params = ponytail.BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5)
+    prompt = engine.tokenizer("Name a fruit.")["input_ids"]
+    assert engine.eos_token_ids and engine.eos_token_ids == ponytail.LLM(**llm_kwargs).engine.eos_token_ids
+    remote = asyncio.run(engine.beam_search(prompt, params, "beams"))
+    local = ponytail.LLM(**llm_kwargs).beam_search([prompt], params)[0]
+    assert [(s.tokens, s.text, s.finish_reason) for s in remote.sequences] == \
+        [(s.tokens, s.text, s.finish_reason) for s in local.sequences]
+    wait_for(lambda: engine.stats().used_blocks == 0)

@@ -24,8 +24,13 @@ def scripted():
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"use_beam_search": True}, "use_beam_search", "use_beam_search is not supported"),
-    ({"length_penalty": 0.5}, "length_penalty", "length_penalty other than 1"),
+    ({"length_penalty": 0.5}, "length_penalty", "ranks beams and needs use_beam_search=true"),
+    ({"use_beam_search": True, "stream": True}, "stream", "stream=true cannot be combined with use_beam_search"),
+    ({"use_beam_search": True, "logprobs": True}, "logprobs", "logprobs=true cannot be combined with "
+                                                               "use_beam_search=true; allowed with it: n, max_tokens"),
+    ({"use_beam_search": True, "logprobs": True, "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 cannot be"),
+    ({"use_beam_search": True, "top_p": 0.5}, "top_p", "top_p=0.5 cannot be combined with use_beam_search"),
+    ({"use_beam_search": True, "n": 11}, "n", "n=11 with use_beam_search=true asks for 11 beams; allowed: at most 10"),
     ({"priority": -1}, "priority", "first come, first served"),
     ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
     ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
@@ -269,3 +274,18 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
     with pytest.raises(ponytail.ContextLengthError, match=r"prompt has 64 tokens, which leaves no room for an answer; "
                                                           r"allowed: at most 63 \(the KV cache holds 64 tokens"):
         replica._to_context(ponytail.SamplingParams(max_tokens=96), 64)
+
+
+def test_a_replica_refuses_beam_search_with_sampling_it_does_not_take():
+    """A handle caller's GenerateRequest reaches the replica without the API's checks."""
+    import asyncio
+
+    import ponytail
+    from deployments.protocol import GenerateRequest
+    from deployments.replica import EngineReplica
+
+    replica = EngineReplica.__new__(EngineReplica)
+    request = GenerateRequest(prompt=[1, 2, 3], sampling={"n": 2, "logprobs": 1}, beam_search={"length_penalty": 1.0})
+    with pytest.raises(ponytail.ConfigError, match=r"logprobs=1 cannot be combined with beam_search; allowed with "
+                                                   r"it: n, max_tokens, temperature"):
+        asyncio.run(replica._beam_search([1, 2, 3], ponytail.SamplingParams(n=2, logprobs=1), request))

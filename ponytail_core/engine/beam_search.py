@@ -10,6 +10,7 @@ best of the complete and live ones are the answer, best first.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -139,3 +140,32 @@ def beam_search(generate: Generate, prompts: list[list[int]], params: BeamSearch
         if on_step is not None:
             on_step()
     return search.results(decode)
+
+
+async def beam_search_async(generate, prompt_ids: list[int], params: BeamSearchParams, eos_token_ids: frozenset[int],
+                            request_id: str, decode: Callable[[list[int]], str] | None = None,
+                            cache_salt: str | None = None, priority: int = 0) -> BeamSearchOutput:
+    """One prompt's search through an async engine's generate(prompt, params, request_id, priority)
+    (AsyncLLM's, ProcessAsyncLLM's): a step's beams run at once, as <request_id>-beam<step>.<i>.
+    Cancelled, or when one beam fails, it stops every beam still running (their blocks go back)."""
+    search = BeamSearch([prompt_ids], params, eos_token_ids)
+
+    async def final_output(tokens: list[int], beam_id: str):
+        prompt = {"prompt_token_ids": tokens, **({"cache_salt": cache_salt} if cache_salt else {})}
+        async for delta in generate(prompt, search.step_params, beam_id, priority):
+            if delta.finished:
+                return delta.output
+        raise ConfigError(f"beam search: the stream of {beam_id} ended before its request finished")
+
+    while beams := search.beams():
+        tasks = [asyncio.ensure_future(final_output(tokens, f"{request_id}-beam{search.steps}.{i}"))
+                 for i, (_, tokens) in enumerate(beams)]
+        try:
+            outputs = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        search.advance(outputs)
+    return search.results(decode)[0]
