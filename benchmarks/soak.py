@@ -2,7 +2,8 @@
 
 Workers loop until the deadline, each iteration one of (weights in MIX):
   ok          a short completion or chat, streamed or not, maybe with one
-              of vLLM's extras (EXTRAS; prompt_logprobs when not streamed)  -> 200
+              of vLLM's extras (EXTRAS; prompt_logprobs or use_beam_search
+              when not streamed)                                           -> 200
   disconnect  a long stream the client drops after a few events            -> 200, then gone
   bad         a hostile or malformed request (BAD_INPUTS)                  -> its declared 4xx
   burst       BURST requests at once, past the engines' queue bound        -> 200 or a declared 503
@@ -130,7 +131,9 @@ class Soak:
             if "logprobs" in extra:  # chat's logprobs are a flag with top_logprobs beside it
                 body.update(logprobs=True, top_logprobs=extra["logprobs"])
             path = "/v1/chat/completions"
-        if not stream and rng.random() < 0.2:
+        if not stream and not extra and rng.random() < 0.2:
+            body.update(use_beam_search=True, n=2)  # vLLM's beam search: the 2 best of 2 beams
+        elif not stream and rng.random() < 0.2:
             body["prompt_logprobs"] = 1
         if not stream:
             self.record(client.post(path, json=body), "ok")
