@@ -17,6 +17,7 @@ from .kv.capacity import count_parameters, device_capacity
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
 from .llm import GPU_BATCHED_TOKENS
 from .models.hub import check_hub_model, is_hub_id
+from .models.loader import default_checkpoint
 from .utils.units import parse_bytes
 from .serve_command import add_serve_parser
 
@@ -27,6 +28,10 @@ _SHAPE_FLAGS = {
     "--head-dim": "head_dim",
     "--max-seq-len": "max_seq_len",
 }
+
+
+# Shape flags and their defaults: with none of them set, --device-memory estimates the default model.
+_SHAPE_ONLY_DEFAULTS = {"num_layers": None, "num_kv_heads": None, "head_dim": None}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -72,10 +77,11 @@ def _build_parser() -> argparse.ArgumentParser:
     est.add_argument("--gpu-memory", metavar="SIZE",
                      help='KV memory available ("80GB", "80GiB" or bytes): '
                           "how many full-length sequences fit")
-    device = est.add_argument_group("a whole GPU (with --model): the KV pool LLM() would size there")
+    device = est.add_argument_group("a whole GPU: the KV pool LLM() would size there")
     device.add_argument("--device-memory", metavar="SIZE",
                         help='the GPU\'s total memory ("80GiB" for an 80 GB H100): its KV pool ceiling, with the '
-                             "weights counted from --model's config and one step's activations left free")
+                             "weights counted from --model's config (without --model: the embedded default "
+                             "model's) and one step's activations left free")
     device.add_argument("--gpu-memory-utilization", type=float, metavar="SHARE",
                         help="the share of the device the process may hold, as LLM(gpu_memory_utilization=) "
                              "and vLLM take it (default: the engine's default sizing, 0.9 less one step)")
@@ -137,8 +143,10 @@ def _check_estimate_flags(args: argparse.Namespace) -> None:
                               "(the device's total memory it is a share of)")
         return
     if args.model is None:
-        raise ConfigError(f"--device-memory {args.device_memory} needs --model: the weights it leaves room for "
-                          "are counted from the model's config")
+        if any(getattr(args, name) not in (None, default) for name, default in _SHAPE_ONLY_DEFAULTS.items()):
+            raise ConfigError(f"--device-memory {args.device_memory} needs --model: the weights it leaves room for "
+                              "are counted from the model's config")
+        args.model = str(default_checkpoint())  # the embedded default, as `serve run deployments/app.yaml` serves it
     if args.gpu_memory is not None:
         raise ConfigError(f"--gpu-memory {args.gpu_memory} and --device-memory {args.device_memory} were both "
                           "given; allowed: one (--gpu-memory: the KV memory itself; --device-memory: the GPU's "

@@ -210,6 +210,16 @@ def test_parameters_are_counted_as_the_model_loads_them(tmp_path):
         assert count_parameters(config) == sum(p.numel() for p in real.parameters())
 
 
+@pytest.mark.network  # the default model
+def test_device_memory_without_a_model_estimates_the_default_model(capsys, default_model):
+    """What `serve run deployments/app.yaml` serves, counted as the loaded model counts."""
+    code, out, err = run(capsys, "estimate", "--device-memory", "24GiB", "--json")
+    assert (code, err) == (0, "")
+    data = json.loads(out)
+    assert data["device"]["num_parameters"] == sum(p.numel() for p in default_model[0].parameters())
+    assert (data["num_layers"], data["num_kv_heads"], data["head_dim"], data["dtype"]) == (30, 3, 64, "bfloat16")
+
+
 def test_estimate_reads_a_hub_id_from_the_hub_cache(tmp_path, llama7b_dir):
     from hub_cache import build_hub_cache, run_offline
 
