@@ -30,8 +30,8 @@ _SHAPE_FLAGS = {
 }
 
 
-# Shape flags and their defaults: with none of them set, --device-memory estimates the default model.
-_SHAPE_ONLY_DEFAULTS = {"num_layers": None, "num_kv_heads": None, "head_dim": None}
+# The shape flags only a model can otherwise give: with none set, --device-memory takes the default model.
+_SHAPE_ONLY = ("num_layers", "num_kv_heads", "head_dim")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -143,7 +143,7 @@ def _check_estimate_flags(args: argparse.Namespace) -> None:
                               "(the device's total memory it is a share of)")
         return
     if args.model is None:
-        if any(getattr(args, name) not in (None, default) for name, default in _SHAPE_ONLY_DEFAULTS.items()):
+        if any(getattr(args, name) is not None for name in _SHAPE_ONLY):
             raise ConfigError(f"--device-memory {args.device_memory} needs --model: the weights it leaves room for "
                               "are counted from the model's config")
         args.model = str(default_checkpoint())  # the embedded default, as `serve run deployments/app.yaml` serves it
