@@ -68,3 +68,16 @@ def test_beam_search_on_the_gpu_matches_plain_generate(monkeypatch):
     apart = sum(-(-cache.paged.seq_len(row) // cache.config.block_size) for row in range(8))
     assert cache.stats().used_blocks < apart  # beams of one prompt share its blocks
     assert cache.paged.invariants() == []
+
+
+def test_assisted_decoding_on_the_gpu_matches_plain_generate(monkeypatch):
+    """Prompt lookup: multi-token verification steps over context, then crop() and slot reuse."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model, ids, _ = model_and_prompts(torch.float32)
+    prompt = torch.cat([ids[3, -64:], ids[3, -64:-40]])[None]  # repeats: lookups find candidates
+    plain = model.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=0)
+    cache = ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=256)
+    ours = model.generate(prompt, cache=cache, max_new_tokens=32, do_sample=False, pad_token_id=0,
+                          prompt_lookup_num_tokens=4)
+    assert torch.equal(ours, plain)
+    assert cache.paged.invariants() == []

@@ -263,7 +263,10 @@ def test_rows_are_repeated_and_selected_with_their_kv():
     (lambda c: c.batch_select_indices([]), r"indices=\[\] is not supported; allowed: row numbers in \[0, 2\)"),
     (lambda c: c.batch_repeat_interleave(4), r"repeats asks for 8 rows; the cache's max_batch_size is 4: raise it"),
     (lambda c: c.batch_repeat_interleave(0), r"repeats=0 is not supported; allowed: an integer >= 1"),
-    (lambda c: c.crop(-1), r"assisted decoding \(crop\) is not supported by the Ponytail cache yet"),
+    (lambda c: c.crop(2), r"tokens_to_remove=2 is not supported; allowed: 0 or a negative integer"),
+    (lambda c: c.crop(-99), r"tokens_to_remove=-99 asks to forget more than the rows hold"),
+    (lambda c: (c.batch_select_indices([1, 0]), c.crop(-1)),
+     r"assisted decoding \(crop\) after rows were forked \(beam search, repeated rows\) is not supported"),
 ])
 def test_row_changes_that_cannot_work_are_refused_and_change_nothing(call, message):
     model = make_model("llama")
@@ -272,4 +275,24 @@ def test_row_changes_that_cannot_work_are_refused_and_change_nothing(call, messa
     before = [cache.paged.read(row) for row in range(2)]
     with pytest.raises((ConfigError, NotImplementedError), match=message):
         call(cache)
-    assert cache.batch_size == 2 and all(torch.equal(cache.paged.read(r), before[r]) for r in range(2))
+    assert cache.batch_size == 2 and sorted(cache.paged.read(r).sum().item() for r in range(2)) == \
+        sorted(b.sum().item() for b in before)  # rows as they were (a refused crop after a swap keeps the swap)
+
+
+def test_assisted_decoding_equals_plain_generate():
+    """Prompt lookup and a draft model propose tokens the model checks in one pass; crop() forgets
+    the ones it rejects, and their slots take the next tokens: greedy output unchanged."""
+    model, draft = make_model("llama"), make_model("llama", seed=7)
+    gen = torch.Generator().manual_seed(4)
+    motif = torch.randint(1, 128, (6,), generator=gen)
+    ids = torch.cat([motif, torch.randint(1, 128, (5,), generator=gen), motif, motif[:3]])[None]
+    expected = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    for assist in (dict(prompt_lookup_num_tokens=4), dict(assistant_model=draft)):
+        cache = ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=64, block_size=4)
+        crops = []
+        original = cache.crop
+        cache.crop = lambda n: (crops.append(n), original(n))[1]
+        got = model.generate(ids, cache=cache, max_new_tokens=24, do_sample=False, pad_token_id=0, **assist)
+        assert torch.equal(got, expected), f"{assist}: {got[0, ids.shape[1]:]} != {expected[0, ids.shape[1]:]}"
+        assert any(n < 0 for n in crops), f"{assist}: no candidate was ever rejected ({crops})"
+        assert cache.paged.invariants() == []

@@ -89,8 +89,8 @@ class PagedCacheBase(Cache):
         return False
 
     def _unsupported(self, what: str):
-        raise NotImplementedError(f"{what} is not supported by the Ponytail cache yet (greedy, sampled and "
-                                  "beam-search generation are, num_return_sequences too)")
+        raise NotImplementedError(f"{what} is not supported by the Ponytail cache yet (greedy, sampled, "
+                                  "beam-search and assisted generation are, num_return_sequences too)")
 
     def reorder_cache(self, beam_idx):
         self._unsupported("beam search (reorder_cache)")

@@ -47,6 +47,10 @@ class PonytailCache(PagedCacheBase):
         self.seen_tokens = 0
         self.step: StepMetadata | None = None
         self._rows = 0
+        # Per row, the positions it holds; fewer than its slots after crop() (assisted decoding), whose
+        # forgotten slots the next tokens take again. _shared: rows were forked (beams share blocks).
+        self._lengths: list[int] = []
+        self._shared = False
         self._mid_step = False  # slots were taken for a forward pass that has not finished
 
     def stats(self):
@@ -60,7 +64,7 @@ class PonytailCache(PagedCacheBase):
         """Forget every row (the pool keeps its memory for the next generate call)."""
         for row in range(self._rows):
             self.paged.free(row)
-        self._rows, self.seen_tokens, self.step = 0, 0, None
+        self._rows, self.seen_tokens, self.step, self._lengths, self._shared = 0, 0, None, [], False
         self._awaiting_attention, self._mid_step = None, False
 
     # -------------------------------------------- beam search, repeated and selected rows
@@ -92,6 +96,8 @@ class PonytailCache(PagedCacheBase):
                               f"{self.config.max_batch_size}: raise it in create_cache")
         if order == list(range(self._rows)):
             return
+        if any(self.paged.seq_len(row) != self._lengths[row] for row in range(self._rows)):
+            raise NotImplementedError(f"{name}: rows cut back by assisted decoding (crop) cannot be rearranged")
         staged = [("staged", row) for row in range(len(order))]
         for row, source in zip(staged, order):
             self.paged.fork(source, row)
@@ -100,7 +106,29 @@ class PonytailCache(PagedCacheBase):
         for row, source in enumerate(staged):  # back under the row numbers the model's batch uses
             self.paged.fork(source, row)
             self.paged.free(source)
-        self._rows = len(order)
+        self._rows, self._lengths, self._shared = len(order), [self._lengths[i] for i in order], True
+
+    @property
+    def is_croppable(self) -> bool:  # transformers asks before assisted decoding
+        return not self._shared
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Assisted decoding: every row forgets its last -tokens_to_remove positions (candidates the
+        model did not accept). Their slots stay the row's; the next tokens are written into them."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ConfigError(f"tokens_to_remove={tokens_to_remove!r} is not supported; allowed: 0 or a negative "
+                              "integer, minus the number of last positions to forget (transformers' crop)")
+        forget = -tokens_to_remove
+        if forget == 0:
+            return
+        if self._mid_step or forget > min(self._lengths, default=0):
+            raise ConfigError(f"tokens_to_remove={tokens_to_remove} asks to forget more than the rows hold "
+                              f"({min(self._lengths, default=0)} positions) or came in the middle of a forward pass")
+        if self._shared:
+            raise NotImplementedError("assisted decoding (crop) after rows were forked (beam search, repeated "
+                                      "rows) is not supported by the Ponytail cache yet")
+        self.seen_tokens -= forget
+        self._lengths = [length - forget for length in self._lengths]
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         batch, _, query_len, _ = query.shape
@@ -137,19 +165,28 @@ class PonytailCache(PagedCacheBase):
         counts = [query_len] * batch if new_valid is None else new_valid.sum(dim=1).tolist()
         has_context = self.seen_tokens > 0
         slots: list[int] = []
+        if not self._lengths:
+            self._lengths = [0] * batch
         for row, count in enumerate(counts):
-            placeholder = [0] * count  # token ids matter only for prefix hashing, which is off here
-            fresh = not self.paged.has_seq(row)
-            result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
-            if not result:
-                raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "
-                                  "max_seq_len or memory_budget in create_cache")
-            slots.extend([-1] * (query_len - count) + result.slots)
+            length = self._lengths[row]
+            # Slots crop() left behind first, then new ones; token ids matter only for prefix hashing (off here).
+            reuse = min(count, self.paged.seq_len(row) - length) if self.paged.has_seq(row) else 0
+            row_slots = self.paged.slots(row, length, length + reuse) if reuse else []
+            if count > reuse or not self.paged.has_seq(row):
+                placeholder = [0] * (count - reuse)
+                fresh = not self.paged.has_seq(row)
+                result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
+                if not result:
+                    raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "
+                                      "max_seq_len or memory_budget in create_cache")
+                row_slots += result.slots
+            self._lengths[row] = length + count
+            slots.extend([-1] * (query_len - count) + row_slots)
         device = c.device
         tables = [self.paged.block_table(row) for row in range(batch)]
         width = max(1, max(len(t) for t in tables))
         table_tensor = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        lens = torch.tensor([self.paged.seq_len(row) for row in range(batch)], dtype=torch.int32)
+        lens = torch.tensor(self._lengths, dtype=torch.int32)
         self.step = StepMetadata(
             query_len=query_len,
             slot_mapping=to_device(torch.tensor(slots, dtype=torch.int64), device),
