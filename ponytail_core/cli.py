@@ -161,7 +161,7 @@ def _as_loaded(model_config: Any) -> Any:
     """A copy of the config without its dtype: --dtype (or LLM()'s CUDA default) decides, as the
     loader casts the weights to whatever it is asked for."""
     config = copy.deepcopy(model_config)
-    for part in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+    for part in (config, config.get_text_config()):  # the same object where the config has no text part
         part.dtype = None
     return config
 

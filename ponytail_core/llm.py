@@ -236,8 +236,7 @@ class LLM:
         takes back the ones added before it, as vLLM does: nothing of this call runs later.
         priority: one per prompt (scheduling_policy "priority"); lora_request: None only (vLLM's)."""
         _refuse_lora(lora_request)
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(params) != len(prompts) or len(priorities) != len(prompts):
@@ -282,8 +281,7 @@ class LLM:
                                               not isinstance(concurrency_limit, int) or concurrency_limit < 1):
             raise ConfigError(f"concurrency_limit={concurrency_limit!r} is not supported; allowed: an integer >= 1 "
                               "or None")
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = _prompt_list(prompts)
         unpacked = [unpack_prompt(prompt) for prompt in prompts]
         token_lists = [self.engine.prompt_token_ids(prompt) for prompt, _ in unpacked]
         for tokens in token_lists:
@@ -344,6 +342,13 @@ class LLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids or a vLLM prompt dict) or a list of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return prompts
 
 
 def _refuse_lora(lora_request) -> None:

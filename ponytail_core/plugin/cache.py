@@ -168,13 +168,12 @@ class PonytailCache(PagedCacheBase):
         if not self._lengths:
             self._lengths = [0] * batch
         for row, count in enumerate(counts):
-            length = self._lengths[row]
+            length, fresh = self._lengths[row], not self.paged.has_seq(row)
             # Slots crop() left behind first, then new ones; token ids matter only for prefix hashing (off here).
-            reuse = min(count, self.paged.seq_len(row) - length) if self.paged.has_seq(row) else 0
+            reuse = 0 if fresh else min(count, self.paged.seq_len(row) - length)
             row_slots = self.paged.slots(row, length, length + reuse) if reuse else []
-            if count > reuse or not self.paged.has_seq(row):
+            if fresh or count > reuse:
                 placeholder = [0] * (count - reuse)
-                fresh = not self.paged.has_seq(row)
                 result = self.paged.allocate(row, placeholder) if fresh else self.paged.append(row, placeholder)
                 if not result:
                     raise ConfigError(f"the cache is full: {result.message}; raise max_batch_size, "
