@@ -130,3 +130,15 @@ def test_bad_calls_are_refused_by_name_and_hold_nothing(model):
     with pytest.raises(ConfigError, match="lora_request"):
         llm.beam_search([[1, 2, 3]], params, lora_request=object())
     assert llm.stats().used_blocks == 0 and llm.stats().num_waiting == 0
+
+
+def test_a_failed_step_request_stops_the_search_naming_its_error():
+    from types import SimpleNamespace
+
+    from ponytail.engine.beam_search import beam_search
+
+    def failing(beams, sampling):
+        return [SimpleNamespace(error="the engine is shutting down", outputs=[]) for _ in beams]
+
+    with pytest.raises(ConfigError, match="beam search: a step's request failed: the engine is shutting down"):
+        beam_search(failing, [[1, 2, 3]], BeamSearchParams(beam_width=2, max_tokens=3), frozenset())

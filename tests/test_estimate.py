@@ -97,3 +97,22 @@ def test_invalid_inputs(changes, message):
 def test_keyword_only():
     with pytest.raises(TypeError):
         estimate_kv_cache(32, 32, 128, "float16", 1, 2048)  # type: ignore[misc]
+
+
+def test_a_device_capacity_and_a_kv_size_together_are_refused_by_name():
+    from ponytail.kv.capacity import DeviceCapacity
+
+    config = CacheConfig(**LLAMA_7B, max_batch_size=1, max_seq_len=2048, device="cpu")
+    capacity = DeviceCapacity(device_memory=80 << 30, gpu_memory_utilization=None, num_parameters=1, weight_bytes=2,
+                              step_headroom=0, kv_budget=1 << 30, kv_blocks=1, kv_tokens=16, max_concurrency=0.0)
+    with pytest.raises(ConfigError, match=r"gpu_memory='40GiB' and a device's capacity were both given; allowed: one"):
+        estimate_from_config(config, gpu_memory="40GiB", device=capacity)
+
+
+def test_parameters_of_a_config_without_a_causal_lm_are_refused_by_name():
+    from transformers import ViTConfig
+
+    from ponytail.kv.capacity import count_parameters
+
+    with pytest.raises(ConfigError, match=r"cannot count the model's parameters from its config \(ViTConfig\): "):
+        count_parameters(ViTConfig())
