@@ -4,14 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
-from ponytail import TokenTexts
+from ponytail import SamplingParams, TokenTexts
 
 from .openai_logprobs import LOGPROB_FLOOR
 from .protocol import TokenLogprob
 
 
-def token_logprob(texts: TokenTexts, token_id: int, entry: dict[int, float], top: int) -> TokenLogprob:
-    """One TokenLogprob from an engine entry: the chosen token's logprob and the `top` most likely.
+def shown_top(params: SamplingParams) -> int | None:
+    """How many of a token's logprob entries the answer lists: the top `logprobs`, or every one
+    where the request tracks tokens (logprob_token_ids: the sampled one too, as vLLM lists them)."""
+    return None if params.logprob_token_ids else params.logprobs
+
+
+def token_logprob(texts: TokenTexts, token_id: int, entry: dict[int, float], top: int | None) -> TokenLogprob:
+    """One TokenLogprob from an engine entry: the chosen token's logprob and the `top` most likely
+    (None: all the entry holds).
 
     The entry holds the chosen token and the top ones (the chosen one may be among them), so the
     top ones are its `top` largest values: a chosen token outside them is less likely than each."""
@@ -36,7 +43,7 @@ def prompt_logprob_entries(texts: TokenTexts, token_ids: list[int], entries: lis
 
 
 def token_logprobs(texts: TokenTexts, token_ids: list[int], entries: list[dict[int, float] | None],
-                   top: int) -> list[TokenLogprob]:
+                   top: int | None) -> list[TokenLogprob]:
     """token_logprob per token; logprob None where the entry is None (the first prompt token)."""
     return [TokenLogprob(token_id, texts(token_id), None, []) if entry is None
             else token_logprob(texts, token_id, entry, top) for token_id, entry in zip(token_ids, entries)]

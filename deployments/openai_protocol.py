@@ -134,7 +134,8 @@ class _SamplingRequest(_Request):
     use_beam_search: bool | None = None
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] | None = None
     priority: int = 0  # vLLM's: lower runs first, where the server's scheduling_policy is "priority"
-    logprob_token_ids: Annotated[Unsupported, _unsupported(lambda v: False, "logprob_token_ids")] = None
+    # vLLM's: these tokens' logprobs at every position instead of the top ones (label scoring); needs logprobs
+    logprob_token_ids: list[int] | None = None
 
     @field_validator("stream_options")
     @classmethod
@@ -166,9 +167,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool | None = None  # the prompt comes first in the text (with its logprobs, if logprobs is set)
     response_format: ResponseFormat | None = None  # as in chat (vLLM takes it here too)
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
-    add_special_tokens: Annotated[Unsupported, _unsupported(
-        lambda v: v is True, "add_special_tokens=false (a text prompt gets the tokenizer's special tokens; send "
-                             "token ids for another prompt)")] = None
+    add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without BOS...
 
 
 class TextPart(_Request):
@@ -280,9 +279,9 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: Annotated[Unsupported, _unsupported(
         lambda v: False, "chat_template per request (the server's chat_template sets it)")] = None
     documents: list[dict[str, str]] | None = None  # vLLM's: passed to templates that take them (RAG)
-    add_special_tokens: Annotated[Unsupported, _unsupported(
-        lambda v: v is False, "add_special_tokens=true on chat (the template writes the special tokens)")] = None
-    thinking_token_budget: Annotated[Unsupported, _unsupported(lambda v: False, "thinking_token_budget")] = None
+    add_special_tokens: bool = False  # vLLM's: true adds the tokenizer's BOS... to what the template writes
+    # vLLM's: a reasoning model thinks at most this many tokens, then </think> is written for it (-1: no limit)
+    thinking_token_budget: int | None = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
@@ -383,11 +382,15 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         sampling["structured_outputs"] = constraint
     if req.logit_bias:
         sampling["logit_bias"] = _token_keys(req.logit_bias)
+    if req.logprob_token_ids is not None:
+        sampling["logprob_token_ids"] = req.logprob_token_ids
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None:
             sampling["max_tokens"] = max_tokens
         sampling.update(chat_logprob_fields(req))
+        if req.thinking_token_budget is not None:
+            sampling["thinking_token_budget"] = req.thinking_token_budget
         messages = [m.to_dict() for m in req.messages]
         kwargs = template_kwargs(req)
         check_chat_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)
@@ -397,15 +400,22 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
-                               documents=req.documents, prompt_logprobs=req.prompt_logprobs, priority=req.priority)
+                               documents=req.documents, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
+                               add_special_tokens=req.add_special_tokens)
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    if req.logprob_token_ids is not None and req.logprobs is None:
+        raise ConfigError(f"logprob_token_ids={_shown(req.logprob_token_ids)} needs logprobs; allowed: "
+                          "logprob_token_ids only together with logprobs (any count: the tracked tokens replace "
+                          "the top ones)")
     if req.logprobs is not None:
-        sampling["logprobs"] = req.logprobs
+        if req.logprob_token_ids is None:
+            sampling["logprobs"] = req.logprobs
         if req.echo:  # what loglikelihood evaluation reads: the prompt tokens' logprobs
             sampling["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
-                           cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority)
+                           cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
+                           add_special_tokens=req.add_special_tokens)
 
 
 MAX_BEAMS = 10  # ponytail.BeamSearchParams' limit: each beam asks for 2 x n of at most 20 logprobs a step
@@ -466,7 +476,12 @@ def chat_logprob_fields(req: ChatCompletionRequest) -> dict[str, int]:
     if req.top_logprobs is not None and not req.logprobs:
         raise ConfigError(f"top_logprobs={req.top_logprobs} needs logprobs=true; allowed: top_logprobs "
                           "only together with logprobs=true")
+    if req.logprob_token_ids is not None and not req.logprobs:
+        raise ConfigError(f"logprob_token_ids={_shown(req.logprob_token_ids)} needs logprobs=true; allowed: "
+                          "logprob_token_ids only together with logprobs=true")
     if not req.logprobs:
+        return {}
+    if req.logprob_token_ids is not None:  # the tracked tokens replace the top ones (vLLM)
         return {}
     return {"logprobs": 0 if req.top_logprobs is None else req.top_logprobs}
 

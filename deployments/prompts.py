@@ -52,6 +52,9 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
     options = {} if request is None else {
         "chat_template_kwargs": request.chat_template_kwargs, "add_generation_prompt": request.add_generation_prompt,
         "continue_final_message": request.continue_final_message, "documents": request.documents}
+    if request is not None and request.add_special_tokens:  # vLLM's: BOS... on top of what the template writes
+        text = render_chat(tokenizer, messages, tokenize=False, tools=tools, **options)
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
     if segments is not None and segments.usable:  # what apply_chat_template(tokenize=True) tokenizes, in pieces
         return segments.encode(render_chat(tokenizer, messages, tokenize=False, tools=tools, **options))
     return render_chat(tokenizer, messages, tokenize=True, tools=tools, **options)
@@ -59,12 +62,13 @@ def chat_token_ids(tokenizer: Any, messages: list[dict[str, Any]],
 
 def prompt_token_ids(tokenizer: Any, request: GenerateRequest, segments: SegmentCache | None = None) -> list[int]:
     """Token ids of the request's prompt: chat messages through the template, text as the engine
-    tokenizes it (special tokens added), token ids as given."""
+    tokenizes it (special tokens added unless the request says add_special_tokens=false), token ids
+    as given."""
     if request.messages is not None:
         return chat_token_ids(tokenizer, request.messages, request.tools, segments, request)
     if isinstance(request.prompt, list):
         return list(request.prompt)
-    return list(tokenizer(request.prompt, add_special_tokens=True)["input_ids"])
+    return list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens is not False)["input_ids"])
 
 
 def tokenizer_fingerprint(tokenizer: Any, template_defaults: dict[str, Any] | None = None) -> str | None:

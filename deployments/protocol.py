@@ -35,6 +35,9 @@ class GenerateRequest:
     priority: int = 0  # vLLM's: lower runs first where the engine's scheduling_policy is "priority"
     request_id: str | None = None
     echo: bool = False  # the first delta carries the prompt's text (and its logprobs if asked for)
+    # vLLM's: the tokenizer's special tokens (BOS...) added to the prompt's text; None: the endpoint's
+    # default, yes for a text prompt, no for chat (its template writes them)
+    add_special_tokens: bool | None = None
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
     # tokenized them to hash their blocks: a replica whose tokenizer has that fingerprint
     # (prompts.tokenizer_fingerprint) takes the ids instead of tokenizing the prompt a second time.

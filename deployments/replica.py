@@ -18,7 +18,7 @@ import ponytail
 from ponytail import SamplingParams, check_chat_template_options
 
 from .generation_defaults import model_sampling_defaults
-from .logprobs import TokenTexts, prompt_logprob_entries, token_logprobs
+from .logprobs import TokenTexts, prompt_logprob_entries, shown_top, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
 from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
@@ -219,7 +219,7 @@ class EngineReplica:
             if params.logprobs is not None and choice.logprobs is not None:
                 done = sent.get(delta.index, 0)
                 entries = choice.logprobs[done : done + len(delta.new_token_ids)]
-                out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, params.logprobs)
+                out.logprobs = token_logprobs(self.token_texts, delta.new_token_ids, entries, shown_top(params))
                 sent[delta.index] = done + len(entries)
             if delta.finished:
                 self._finished(output)
@@ -234,7 +234,8 @@ class EngineReplica:
             raise ponytail.ConfigError(f"{others[0]}={request.sampling[others[0]]!r:.60} cannot be combined with "
                                        f"beam_search; allowed with it: {', '.join(BEAM_SEARCH_SAMPLING)}")
         if isinstance(prompt, str):  # as the engine tokenizes text
-            prompt = (await asyncio.to_thread(self.tokenizer, prompt, add_special_tokens=True))["input_ids"]
+            prompt = (await asyncio.to_thread(self.tokenizer, prompt,
+                                              add_special_tokens=request.add_special_tokens is not False))["input_ids"]
         beam = ponytail.BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
                                          ignore_eos=params.ignore_eos, temperature=params.temperature,
                                          length_penalty=request.beam_search["length_penalty"],
@@ -269,7 +270,7 @@ class EngineReplica:
             out.prompt_text, out.prompt_logprobs = said.text, said.logprobs
             out.prompt_logprob_entries = said.entries if i == 0 else None
             if params.logprobs is not None and choice.logprobs is not None:
-                out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, params.logprobs)
+                out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, shown_top(params))
             outs.append(out)
         return outs
 
@@ -290,7 +291,7 @@ class EngineReplica:
         if not request.echo:
             return PromptSaid(None, None, entries)
         text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
-        logprobs = (token_logprobs(self.token_texts, ids, scored, params.logprobs)
+        logprobs = (token_logprobs(self.token_texts, ids, scored, shown_top(params))
                     if params.logprobs is not None and scored is not None else None)  # echo with logprobs
         return PromptSaid(text, logprobs, entries)
 

@@ -280,3 +280,33 @@ def test_beam_search_on_gpu_equals_transformers_beam_search(monkeypatch):
     assert [[s.tokens for s in output.sequences] for output in got] == expected
     stats = llm.stats()
     assert stats.used_blocks == 0 and stats.prefix_cache_hits > 0 and llm.engine.cache.invariants() == []
+
+
+def test_tracked_logprobs_and_a_thinking_budget_on_gpu_with_graphs_and_async_scheduling(monkeypatch):
+    """logprob_token_ids gathered on the device; a spent thinking budget forces </think> into the
+    token the next (graph-replayed, asynchronously launched) step reads as its input."""
+    monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
+    model = small_model()
+    tokenizer = word_tokenizer(1000)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)  # ids 1000, 1001: the model's vocab is 1,002
+    model.resize_token_embeddings(len(tokenizer), mean_resizing=False)  # small rows: never a greedy choice alone
+    start, end = 1000, 1001
+    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512)
+    assert llm.engine.async_scheduling
+    prompt = list(range(5, 45)) + [start]
+    free = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].token_ids
+    assert end not in free
+    out = llm.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, thinking_token_budget=4,
+                                                logprob_token_ids=[7, end]))[0]
+    ids = out.token_ids
+    assert ids[:4] == free[:4] and ids[4] == end and end not in ids[5:]
+    assert ids[5:] == llm.generate([prompt + ids[:5]], SamplingParams(max_tokens=7, temperature=0,
+                                                                       ignore_eos=True))[0].token_ids
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        logprobs = model(torch.tensor([prompt + ids], device="cuda")).logits[0].float().log_softmax(-1)
+    for step, entry in enumerate(out.outputs[0].logprobs):
+        assert set(entry) == {ids[step], 7, end}
+        for token in (7, end):
+            assert entry[token] == pytest.approx(logprobs[len(prompt) - 1 + step, token].item(), abs=2e-3)
+    assert llm.engine.runner.graphs.replays > 0 and llm.stats().used_blocks == 0

@@ -94,3 +94,55 @@ def test_chat_logprobs_and_top_logprobs_streamed_too(served):
     assert without.choices[0].logprobs is None
     just_logprobs = client.chat.completions.create(**{**args, "top_logprobs": None}).choices[0]
     assert all(item.top_logprobs == [] for item in just_logprobs.logprobs.content)
+
+
+def test_tracked_token_logprobs_on_chat_and_completions(served):
+    """vLLM's logprob_token_ids: label tokens' logprobs at each position, instead of the top ones."""
+    replica, client = served
+    yes, no = (replica.tokenizer.encode(word, add_special_tokens=False)[0] for word in (" yes", " no"))
+    args = dict(model=MODEL, max_tokens=3, temperature=0, extra_body={"logprob_token_ids": [yes, no]})
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Is Paris in France?"}],
+                                          logprobs=True, **args).choices[0]
+    for item in chat.logprobs.content:
+        listed = {top.token: top.logprob for top in item.top_logprobs}
+        assert {" yes", " no"} <= set(listed) and set(listed) <= {" yes", " no", item.token}  # the sampled one too
+        assert listed[item.token] == pytest.approx(item.logprob)
+        assert max(listed.values()) <= 0
+    streamed = [i for c in client.chat.completions.create(
+        messages=[{"role": "user", "content": "Is Paris in France?"}], logprobs=True, stream=True, **args)
+        if c.choices and c.choices[0].logprobs for i in c.choices[0].logprobs.content]
+    assert [len(i.top_logprobs) for i in streamed] == [len(i.top_logprobs) for i in chat.logprobs.content]
+
+    completion = client.completions.create(prompt=PROMPT, logprobs=1, **args).choices[0]
+    ids = replica.tokenizer(PROMPT)["input_ids"]
+    reference = plain_prompt_logprobs(replica, ids + [replica.tokenizer.encode(completion.logprobs.tokens[0],
+                                                                               add_special_tokens=False)[0]])
+    first = completion.logprobs.top_logprobs[0]
+    assert {" yes", " no"} <= set(first) and len(first) <= 3
+    assert first[" yes"] == pytest.approx(reference[len(ids) - 1, yes].item(), abs=1e-4)
+    assert first[" no"] == pytest.approx(reference[len(ids) - 1, no].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize("body, message", [
+    (dict(messages=[{"role": "user", "content": "hi"}], logprob_token_ids=[1]),
+     "logprob_token_ids=[1] needs logprobs=true; allowed: logprob_token_ids only together with logprobs=true"),
+    (dict(prompt="hi", logprob_token_ids=[1, 2]),
+     "logprob_token_ids=[1, 2] needs logprobs; allowed: logprob_token_ids only together with logprobs"),
+    (dict(prompt="hi", logprobs=1, logprob_token_ids=[1, 10**9]),
+     "logprob_token_ids=[1000000000] are outside the vocabulary: allowed: token ids in [0, 49152)"),
+    (dict(prompt="hi", logprobs=1, logprob_token_ids=[]),
+     "logprob_token_ids=[] is invalid; allowed: None or a list of 1 to 128 token ids"),
+    (dict(prompt="hi", logprobs=1, logprob_token_ids=[1], use_beam_search=True, n=2),
+     "logprob_token_ids=[1] cannot be combined with use_beam_search=true"),
+])
+def test_tracked_token_logprobs_refused_by_name(served, body, message):
+    import openai
+
+    _, client = served
+    create = client.chat.completions.create if "messages" in body else client.completions.create
+    fields = {k: v for k, v in body.items() if k in ("messages", "prompt", "logprobs", "n")}
+    extra = {k: v for k, v in body.items() if k not in fields}
+    with pytest.raises(openai.BadRequestError) as error:
+        create(model=MODEL, max_tokens=2, extra_body=extra, **fields)
+    assert message in error.value.response.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=1).choices  # the server goes on

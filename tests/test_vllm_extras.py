@@ -32,10 +32,11 @@ def scripted():
     ({"use_beam_search": True, "top_p": 0.5}, "top_p", "top_p=0.5 cannot be combined with use_beam_search"),
     ({"use_beam_search": True, "n": 11}, "n", "n=11 with use_beam_search=true asks for 11 beams; allowed: at most 10"),
     ({"priority": -1}, "priority", "first come, first served"),
-    ({"logprob_token_ids": [3]}, "logprob_token_ids", "not supported"),
+    ({"logprob_token_ids": [3]}, "logprob_token_ids", "needs logprobs=true"),
     ({"cache_salt": ""}, "cache_salt", "at least 1 character"),
-    ({"add_special_tokens": True}, "add_special_tokens", "the template writes the special tokens"),
-    ({"thinking_token_budget": 100}, "thinking_token_budget", "not supported"),
+    ({"thinking_token_budget": -2}, "thinking_token_budget", "allowed: None, -1 (no limit) or an integer >= 0"),
+    ({"thinking_token_budget": 5, "response_format": {"type": "json_object"}}, "thinking_token_budget",
+     "allowed: None with structured_outputs"),
     ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "with stream=true is not supported"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive number of tokens"),
@@ -64,8 +65,50 @@ def test_their_default_values_change_nothing_and_pass(scripted):
         == "Paris."
     completion = client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": True})
     assert completion.choices[0].text == "Paris."
-    with pytest.raises(openai.BadRequestError, match="add_special_tokens=false"):
-        client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": False})
+
+
+def test_add_special_tokens_reaches_the_replica_on_both_endpoints(scripted):
+    backend, client = scripted
+    sent = {}
+    for flag in (True, False, None):
+        extra = {} if flag is None else {"add_special_tokens": flag}
+        client.chat.completions.create(model=MODEL, messages=ASK, extra_body=extra)
+        sent["chat", flag] = backend.requests[-1].add_special_tokens
+        client.completions.create(model=MODEL, prompt="x", extra_body=extra)
+        sent["text", flag] = backend.requests[-1].add_special_tokens
+    assert sent == {("chat", True): True, ("chat", False): False, ("chat", None): False,  # vLLM's defaults
+                    ("text", True): True, ("text", False): False, ("text", None): True}
+    with pytest.raises(openai.BadRequestError, match="add_special_tokens"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"add_special_tokens": "no"})
+
+
+def test_thinking_token_budget_reaches_the_engine(scripted):
+    backend, client = scripted
+    client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"thinking_token_budget": 64})
+    assert backend.requests[-1].sampling["thinking_token_budget"] == 64
+    client.chat.completions.create(model=MODEL, messages=ASK)
+    assert "thinking_token_budget" not in backend.requests[-1].sampling
+
+
+def test_add_special_tokens_decides_the_prompt_token_ids(default_model):
+    """With a tokenizer that adds BOS: text gets it unless add_special_tokens=false; chat only with true."""
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    from deployments.prompts import prompt_token_ids
+    from deployments.protocol import GenerateRequest
+
+    tokenizer = copy.deepcopy(default_model[1])
+    bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", bos)])
+    text = tokenizer("Paris", add_special_tokens=False)["input_ids"]
+    assert prompt_token_ids(tokenizer, GenerateRequest(prompt="Paris")) == [bos] + text
+    assert prompt_token_ids(tokenizer, GenerateRequest(prompt="Paris", add_special_tokens=False)) == text
+    chat = prompt_token_ids(tokenizer, GenerateRequest(messages=ASK))
+    assert chat[0] != bos
+    assert prompt_token_ids(tokenizer, GenerateRequest(messages=ASK, add_special_tokens=True)) == [bos] + chat
 
 
 def test_a_replica_refuses_truncation_it_cannot_do_naming_the_field():

@@ -30,7 +30,6 @@ from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
 from .request import PLACEHOLDER_TOKEN, Request, RequestOutput, unpack_prompt
-from ..sampling.bans import checked_token_bans
 from ..sampling.grammar import GrammarCompiler, RequestGrammar
 from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
@@ -104,7 +103,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._generators: dict[str, torch.Generator | None] = {}
-        self._batches = StepBatches(self._generators, self.eos_token_ids)  # each step's SamplingBatch
+        self._batches = StepBatches(self._generators, self.eos_token_ids, tokenizer)  # each step's SamplingBatch
         self._texts = TokenTexts(tokenizer)  # logprobs' decoded_token
         self._ids = itertools.count()
         self._steps = self._prefix_queries = self._prefix_hits = 0
@@ -130,7 +129,7 @@ class LLMEngine:
         if params.stop and self.tokenizer is None:
             raise ConfigError(f"stop={params.stop!r} needs text, but this engine has no tokenizer; "
                               "use stop_token_ids")
-        params = checked_token_bans(params, self.tokenizer, self.vocab_size)
+        params = self._batches.checked(params, self.vocab_size)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ConfigError(f"request_id={request_id!r} is already in use")
@@ -328,7 +327,7 @@ class LLMEngine:
                 request.cumulative_logprob += chosen_logprobs[row]
                 request.logprobs = request.logprobs or []
                 request.logprobs.append(logprob_entry(host, row, token, chosen_logprobs[row],
-                                                      request.params.logprobs, self._texts))
+                                                      request.params, self._texts))
             metrics = request.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.last_token_time = now
@@ -396,5 +395,5 @@ class LLMEngine:
 
 
 def _constrained(chunks: list[ScheduledChunk]) -> bool:
-    """Some row sampled in this step has a grammar."""
-    return any(chunk.request.grammar is not None and chunk.samples for chunk in chunks)
+    """Some row sampled in this step takes what its tokens so far allow (Request.follows_its_tokens)."""
+    return any(chunk.request.follows_its_tokens and chunk.samples for chunk in chunks)

@@ -7,8 +7,8 @@ import torch
 
 from ..runner.inputs import ScheduledChunk
 from ..runner.model_runner import prompt_logit_positions
-from ..sampling.logprob import Logprob, TokenTexts
-from ..sampling.sampler import prompt_logprobs
+from ..sampling.logprob import Logprob, TokenTexts, prompt_logprobs
+from ..sampling.params import SamplingParams
 
 
 def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, num_sampling: int,
@@ -29,14 +29,19 @@ def record_prompt_logprobs(chunks: list[ScheduledChunk], logits: torch.Tensor, n
     return logits[:num_sampling]
 
 
-def logprob_entry(result, row: int, token: int, chosen: float, top: int, texts: TokenTexts) -> dict[int, Logprob]:
-    """{token id: Logprob} for the chosen token and the row's `top` most likely ones (rank 1 to top)."""
+def logprob_entry(result, row: int, token: int, chosen: float, params: SamplingParams,
+                  texts: TokenTexts) -> dict[int, Logprob]:
+    """{token id: Logprob} for the chosen token and the row's `params.logprobs` most likely ones
+    (rank 1 to top), or its logprob_token_ids' (whose rank is not computed: None)."""
     rank = result.rank_list[row] if result.rank_list is not None else None
     entry = {token: Logprob(chosen, rank, texts(token))}
-    if result.top_logprobs is not None and top:  # host tensors (HostSamples)
+    if params.logprob_token_ids:
+        for index, value in zip(params.logprob_token_ids, result.tracked[row].tolist()):
+            entry.setdefault(index, Logprob(value, None, texts(index)))
+    elif result.top_logprobs is not None and params.logprobs:  # host tensors (HostSamples)
         values, indices = result.top_logprobs
+        top = params.logprobs
         for position, (value, index) in enumerate(zip(values[row, :top].tolist(), indices[row, :top].tolist())):
             if index not in entry:
                 entry[index] = Logprob(value, position + 1, texts(index))
     return entry
-

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError
 from ..sampling.grammar import RequestGrammar
 from ..sampling.params import SamplingParams
+from ..sampling.thinking import ThinkingBudget
 
 # Stands in output_token_ids for a token sampled on the device but not yet read back (async
 # scheduling). Negative, so it can never pass for a real token: the model never reads it (its
@@ -71,6 +72,7 @@ class Request:
     # matcher (set by enqueue), advanced by every token read back.
     grammar_ready: Future | None = None
     grammar: RequestGrammar | None = None
+    thinking: ThinkingBudget | None = None  # with params.thinking_token_budget: its thought so far (step_sampling)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
     # n > 1 / best_of: which sample of its request this sequence is, and the group they share
     # (None for a request of one sample).
@@ -79,6 +81,12 @@ class Request:
     cumulative_logprob: float = 0.0  # sum of its sampled tokens' logprobs (when they are computed)
     cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
     priority: int = 0  # scheduling_policy "priority": lower runs first (vLLM's)
+
+    @property
+    def follows_its_tokens(self) -> bool:
+        """What it may take next follows from every token before (a grammar, a thinking budget):
+        under async scheduling the step in flight is read back before it samples."""
+        return self.grammar is not None or self.params.thinking_token_budget is not None
 
     @property
     def done(self) -> bool:

@@ -9,6 +9,8 @@ import torch
 from ..sampling.grammar import token_bitmask
 from ..sampling.params import SamplingParams
 from ..sampling.sampler import SamplingBatch
+from ..sampling.bans import checked_token_bans
+from ..sampling.thinking import ThinkingBudget, ThinkingTags, check_thinking_budget
 from .request import Request
 
 IGNORED_ROW = SamplingParams(temperature=0)  # the row of a request that ended before its step sampled
@@ -25,13 +27,21 @@ class StepBatches:
     columns to the device again.
     """
 
-    def __init__(self, generators: dict[str, torch.Generator | None], eos_token_ids: set[int]):
+    def __init__(self, generators: dict[str, torch.Generator | None], eos_token_ids: set[int], tokenizer=None):
         self.generators = generators  # the engine's: request id -> the request's own generator
         self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
+        self.thinking_tags = ThinkingTags.of(tokenizer)  # the model's <think> and </think>, for thinking budgets
         self.num_built = 0
         self.num_reused = 0
         self._rows: list[Request] = []  # the kept batch's requests (held, so none is a new object)
         self._batch: SamplingBatch | None = None
+
+    def checked(self, params: SamplingParams, vocab_size: int) -> SamplingParams:
+        """A request's params as this engine samples them: bad_words tokenized, the token ids they
+        name inside the vocabulary, a thinking budget only where the model has thinking tags."""
+        check_thinking_budget(params, self.thinking_tags)
+        return checked_token_bans(params, self.tokenizer, vocab_size)
 
     def build(self, requests: list[Request], live: list[bool], vocab_size: int,
               device: torch.device) -> SamplingBatch:
@@ -48,8 +58,25 @@ class StepBatches:
                                     [r.prompt_token_ids for r in requests],
                                     [self.generators[r.request_id] if ok else None for r, ok in zip(requests, live)],
                                     device, eos_token_id=sorted(self.eos_token_ids) or None,
-                                    token_bitmask=token_bitmask(grammars, vocab_size))
+                                    token_bitmask=token_bitmask(grammars, vocab_size),
+                                    forced_tokens=self._forced(requests, live))
         self.num_built += 1
         reusable = all(live) and not batch.changes_per_step
         self._batch, self._rows = (batch, list(requests)) if reusable else (None, [])
         return batch
+
+    def _forced(self, requests: list[Request], live: list[bool]) -> list[int] | None:
+        """Per row the token a spent thinking budget makes it take (-1: its draw); None when no row
+        has a budget. The rows' new tokens must be known (the engine reads such a step back first)."""
+        if not any(r.params.thinking_token_budget is not None for r in requests):
+            return None
+        forced = []
+        for request, ok in zip(requests, live):
+            budget = request.params.thinking_token_budget
+            if not ok or budget is None:
+                forced.append(-1)
+                continue
+            if request.thinking is None:
+                request.thinking = ThinkingBudget(self.thinking_tags, budget, request.prompt_token_ids)
+            forced.append(request.thinking.forced_token(request.output_token_ids))
+        return forced

@@ -21,6 +21,8 @@ from .structured import StructuredOutputsParams
 GREEDY_TEMPERATURE = 1e-5
 # The most top logprobs a request may ask for (vLLM's default max_logprobs).
 MAX_LOGPROBS = 20
+# The most token ids one request may track with logprob_token_ids (vLLM's MAX_LOGPROB_TOKEN_IDS).
+MAX_LOGPROB_TOKEN_IDS = 128
 # The most sequences one request may sample (n, best_of): each takes a running slot.
 MAX_SAMPLES = 128
 # The seeds torch.Generator.manual_seed accepts.
@@ -100,11 +102,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     logprobs: int | None = None  # top logprobs to return besides the sampled token's; None: none
     prompt_logprobs: int | None = None  # per prompt token: its logprob and this many top ones; None: none
+    # Tokens whose logprobs each step returns besides the sampled one's, instead of the top ones
+    # (label scoring: "yes"/"no"). logprobs becomes their count (vLLM: it may only equal it).
+    logprob_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
     allowed_token_ids: list[int] | None = None  # the only tokens the output may take; None: any
     bad_words: list[str] | None = None  # words the output may not contain (the engine tokenizes them)
+    # A reasoning model thinks at most this many tokens, then the engine closes its thought (vLLM's;
+    # -1 is None: no limit). Needs a tokenizer with <think> and </think> tokens (sampling.thinking).
+    thinking_token_budget: int | None = None
     # bad_words as token sequences, which the engine fills from bad_words with its tokenizer; may be
     # given directly (an engine without a tokenizer). A sequence's last token is banned after the rest.
     bad_words_token_ids: list[list[int]] | None = None
@@ -142,11 +150,17 @@ class SamplingParams:
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _bool(name, getattr(self, name))
+        tracked = isinstance(self.logprob_token_ids, (list, tuple)) and self.logprobs == len(self.logprob_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
+            if getattr(self, name) is not None and not (name == "logprobs" and tracked):  # checked below
                 setattr(self, name, _int(name, getattr(self, name),
                                          f"None or an integer in [0, {MAX_LOGPROBS}]", 0, MAX_LOGPROBS))
 
+        self._check_logprob_token_ids()
+        if self.thinking_token_budget is not None:
+            self.thinking_token_budget = _int("thinking_token_budget", self.thinking_token_budget,
+                                              "None, -1 (no limit) or an integer >= 0", -1)
+            self.thinking_token_budget = None if self.thinking_token_budget == -1 else self.thinking_token_budget
         self.logit_bias = self._check_logit_bias(self.logit_bias)
         self._check_bans()
         if self.structured_outputs is not None:
@@ -157,6 +171,26 @@ class SamplingParams:
                 if getattr(self, name) != off:
                     raise _invalid(name, getattr(self, name),
                                    f"{off} with structured_outputs (the output ends where the constraint does)")
+            if self.thinking_token_budget is not None:  # the grammar binds every output token, a thought's too
+                raise _invalid("thinking_token_budget", self.thinking_token_budget,
+                               "None with structured_outputs (the constraint binds the whole output, thought included)")
+
+    def _check_logprob_token_ids(self) -> None:
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        allowed = f"None or a list of 1 to {MAX_LOGPROB_TOKEN_IDS} token ids (integers >= 0)"
+        if not isinstance(ids, (list, tuple)):
+            raise _wrong_type("logprob_token_ids", ids, allowed)
+        if not 1 <= len(ids) <= MAX_LOGPROB_TOKEN_IDS or not all(_token_id(t) for t in ids):
+            shown = repr(ids) if len(ids) <= 8 else f"[...] ({len(ids)} ids)"
+            raise ConfigError(f"logprob_token_ids={shown:.80} is invalid; allowed: {allowed}")
+        self.logprob_token_ids = [int(t) for t in ids]
+        if self.logprobs is None:
+            self.logprobs = len(ids)
+        elif self.logprobs != len(ids):
+            raise _invalid("logprobs", self.logprobs, f"None or len(logprob_token_ids)={len(ids)} "
+                           "(the tracked tokens replace the top ones)")
 
     @staticmethod
     def _check_logit_bias(bias: object) -> dict[int, float] | None:
@@ -202,7 +236,7 @@ class SamplingParams:
         """The token ids these params name, by parameter: an engine checks them against its
         vocabulary before the request runs."""
         return {"logit_bias": list(self.logit_bias or ()), "stop_token_ids": self.stop_token_ids,
-                "allowed_token_ids": self.allowed_token_ids or [],
+                "allowed_token_ids": self.allowed_token_ids or [], "logprob_token_ids": self.logprob_token_ids or [],
                 "bad_words_token_ids": [t for q in self.bad_words_token_ids or () for t in q]}
 
     @staticmethod

@@ -31,7 +31,6 @@ from ..utils.device import to_device
 from .draws import apply_filters, random_tokens
 from .bans import keep_only_allowed, masked_tokens
 from .grammar import apply_token_bitmask
-from .logprob import Logprob
 from .params import SamplingParams
 
 Pairs = tuple[torch.Tensor, torch.Tensor]  # (row index, token id), flat, int64, on the device
@@ -85,6 +84,8 @@ class SamplingBatch:
     logit_bias: tuple[Pairs, torch.Tensor] | None = None  # (row, token) pairs, float32 bias added to each
     allowed: tuple[torch.Tensor, Pairs] | None = None  # rows with allowed_token_ids, (i-th such row, token)
     bad_words: bool = False  # some row has bad words: its masked tokens follow its output
+    tracked_token_ids: torch.Tensor | None = None  # [rows, m] int64: each row's logprob_token_ids, 0-padded
+    forced_tokens: torch.Tensor | None = None  # [rows] int64: the token a row must take, -1 for its draw
 
     @property
     def writes_logits(self) -> bool:
@@ -98,7 +99,7 @@ class SamplingBatch:
         """It holds what the next step may change: the rows' token histories (penalties), masked
         tokens (rows still short of min_tokens, bad words) or grammar bitmasks."""
         return (self.output_tokens is not None or self.masked_tokens is not None or self.grammar_rows is not None
-                or self.bad_words)
+                or self.bad_words or self.forced_tokens is not None)
 
     @classmethod
     def build(
@@ -110,6 +111,7 @@ class SamplingBatch:
         device: torch.device | str,
         eos_token_id: int | Collection[int] | None = None,
         token_bitmask: tuple[list[int], torch.Tensor] | None = None,
+        forced_tokens: list[int] | None = None,
     ) -> SamplingBatch:
         """Per-row tensors for one step. Row i of every list is row i of the logits.
 
@@ -117,7 +119,8 @@ class SamplingBatch:
         request_generator); eos_token_id (one id or several) is masked, with stop_token_ids,
         in rows that have fewer than min_tokens output tokens (unless ignore_eos). token_bitmask
         is (rows, host int32 bitmask) from sampling.grammar.token_bitmask: those rows may only
-        take the tokens whose bit is set.
+        take the tokens whose bit is set. forced_tokens: per row the token it takes (-1: its draw),
+        given where some row has a thinking budget (sampling.thinking), so the batch is rebuilt each step.
         """
         device = torch.device(device)
         rows = len(params)
@@ -138,7 +141,9 @@ class SamplingBatch:
         mask_pairs, largest_stop = _pairs(banned, device) if any(banned) else (None, -1)
         allowed, largest_allowed = _allowed(params, device)
         bias, largest_bias = _logit_bias(params, device)
-        asked = [p.logprobs for p in params if p.logprobs is not None]
+        # Rows that track tokens get their logprobs instead of the top ones.
+        asked = [0 if p.logprob_token_ids else p.logprobs for p in params if p.logprobs is not None]
+        tracked, largest_tracked = _tracked(params, device)
         return cls(
             rows=rows,
             greedy=_column(greedy, device, torch.bool) if any(greedy) and num_sampled else None,
@@ -158,13 +163,25 @@ class SamplingBatch:
             generators=own,
             any_unseeded=len(own) < num_sampled,
             max_logprobs=max(asked) if asked else None,
-            max_token_id=max(largest_seen, largest_stop, largest_bias, largest_allowed),
+            max_token_id=max(largest_seen, largest_stop, largest_bias, largest_allowed, largest_tracked),
             grammar_rows=None if token_bitmask is None else _tensor(token_bitmask[0], torch.int64, device),
             grammar_bitmask=None if token_bitmask is None else to_device(token_bitmask[1], device),
             logit_bias=bias,
             allowed=allowed,
             bad_words=any(p.bad_words_token_ids for p in params),
+            tracked_token_ids=tracked,
+            forced_tokens=None if forced_tokens is None else _tensor(forced_tokens, torch.int64, device),
         )
+
+
+def _tracked(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor | None, int]:
+    """[rows, m] logprob_token_ids, padded with token 0 (rows read only their own), and the largest id."""
+    lists = [p.logprob_token_ids or [] for p in params]
+    width = max(map(len, lists), default=0)
+    if not width:
+        return None, -1
+    padded = [ids + [0] * (width - len(ids)) for ids in lists]
+    return _tensor(padded, torch.int64, device), max(max(ids, default=-1) for ids in lists)
 
 
 def _column(values: list, device: torch.device, dtype=torch.float32, shape=(-1,)) -> torch.Tensor:
@@ -246,6 +263,7 @@ class SamplerOutput:
     bad_rows: torch.Tensor  # [rows] bool: logits held NaN or +inf, or were all -inf (masks included)
     ranks: torch.Tensor | None = None  # [rows] int64: the chosen token's rank in the raw distribution,
     # vLLM's Logprob.rank (the tokens at least as likely, itself included: 1 for the most likely), with logprobs
+    tracked: torch.Tensor | None = None  # [rows, m] float32: raw logprobs at batch.tracked_token_ids
 
     def to_host(self, with_logprobs: bool) -> HostSamples:
         """Queue the copies the engine reads back (tokens, bad rows, logprobs if asked for).
@@ -257,8 +275,9 @@ class SamplerOutput:
         logprobs = self.logprobs if with_logprobs else None
         top = self.top_logprobs if with_logprobs else None
         ranks = self.ranks if with_logprobs else None
+        tracked = self.tracked if with_logprobs else None
         if self.token_ids.device.type != "cuda":
-            return HostSamples(self.token_ids, self.bad_rows, logprobs, top, None, ranks)
+            return HostSamples(self.token_ids, self.bad_rows, logprobs, top, None, ranks, tracked)
 
         def copy(t: torch.Tensor | None) -> torch.Tensor | None:
             if t is None:
@@ -267,7 +286,8 @@ class SamplerOutput:
             return host.copy_(t, non_blocking=True)
 
         host = HostSamples(copy(self.token_ids), copy(self.bad_rows), copy(logprobs),
-                           None if top is None else (copy(top[0]), copy(top[1])), torch.cuda.Event(), copy(ranks))
+                           None if top is None else (copy(top[0]), copy(top[1])), torch.cuda.Event(), copy(ranks),
+                           copy(tracked))
         host.copied.record()
         return host
 
@@ -282,6 +302,7 @@ class HostSamples:
     top_logprobs: Pairs | None  # as SamplerOutput.top_logprobs, on the host
     copied: torch.cuda.Event | None  # recorded after the device-to-host copies; None on the CPU
     ranks: torch.Tensor | None = None  # as SamplerOutput.ranks, on the host
+    tracked: torch.Tensor | None = None  # as SamplerOutput.tracked, on the host
 
     @functools.cached_property
     def rank_list(self) -> list[int] | None:
@@ -333,11 +354,13 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     # The one working copy, made only when something writes into it; logits stay untouched.
     x = logits.to(torch.float32, copy=batch.writes_logits)
     bad_rows = ~torch.isfinite(x.amax(dim=-1))  # amax propagates NaN; all -inf gives -inf
-    log_norm = top = None
+    log_norm = top = tracked = None
     if batch.max_logprobs is not None:  # the engine reads logprobs only then (best_of asks for them)
         log_norm = x.logsumexp(dim=-1)
         values, ids = x.topk(min(batch.max_logprobs, vocab), dim=-1)
         top = (values - log_norm.unsqueeze(1), ids)
+        if batch.tracked_token_ids is not None:
+            tracked = x.gather(1, batch.tracked_token_ids) - log_norm.unsqueeze(1)
     if batch.allowed is not None:
         keep_only_allowed(x, *batch.allowed)
     if batch.masked_tokens is not None:
@@ -360,38 +383,12 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if greedy_tokens is not None:
             tokens = torch.where(batch.greedy, greedy_tokens, tokens)
 
+    if batch.forced_tokens is not None:  # a spent thinking budget: the end tag instead of the draw
+        tokens = torch.where(batch.forced_tokens >= 0, batch.forced_tokens, tokens)
     chosen = ranks = None
     if log_norm is not None:
         chosen_logits = logits.gather(1, tokens.unsqueeze(1)).float()
         chosen = chosen_logits.squeeze(1) - log_norm
         ranks = (logits >= chosen_logits).sum(dim=-1)  # vLLM's: tokens at least as likely, itself included
-    return SamplerOutput(token_ids=tokens, logprobs=chosen, top_logprobs=top, bad_rows=bad_rows, ranks=ranks)
-
-
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int], top: list[int]) -> list[dict[int, Logprob]]:
-    """Per row of logits [rows, vocab] (positions of prompts): {token id: Logprob} of the prompt
-    token that follows (next_token_ids[row]) and of the row's top[row] most likely tokens, with
-    their ranks (decoded_token is the caller's to fill).
-
-    Raw log_softmax in float32, as the sampled tokens' logprobs (vLLM's raw_logprobs). Reads the
-    results back: only requests that asked for prompt logprobs pay that host sync.
-    """
-    if logits.shape[0] != len(next_token_ids) or len(top) != len(next_token_ids):
-        raise ValueError(f"logits have {logits.shape[0]} rows; next_token_ids has {len(next_token_ids)}, "
-                         f"top has {len(top)}")
-    logprobs = logits.float().log_softmax(dim=-1)
-    targets = torch.tensor(next_token_ids, dtype=torch.int64, device=logits.device)
-    chosen = logprobs.gather(1, targets.unsqueeze(1))
-    ranks = (logprobs >= chosen).sum(dim=-1).tolist()  # as SamplerOutput.ranks
-    chosen = chosen.squeeze(1).tolist()
-    k = min(max(top, default=0), logprobs.shape[1])
-    values, ids = (logprobs.topk(k, dim=-1) if k else (None, None))
-    values = values.tolist() if k else None
-    ids = ids.tolist() if k else None
-    entries = []
-    for row, (token, logprob) in enumerate(zip(next_token_ids, chosen)):
-        entry = {token: Logprob(logprob, ranks[row])}
-        for index in range(top[row]):
-            entry.setdefault(ids[row][index], Logprob(values[row][index], index + 1))
-        entries.append(entry)
-    return entries
+    return SamplerOutput(token_ids=tokens, logprobs=chosen, top_logprobs=top, bad_rows=bad_rows, ranks=ranks,
+                         tracked=tracked)
