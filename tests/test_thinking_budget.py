@@ -5,7 +5,6 @@ tokenizer has the reasoning models' tags)."""
 import copy
 
 import pytest
-import torch
 from tiny_models import sharp_llama
 
 import ponytail
@@ -97,8 +96,9 @@ def test_the_budget_is_refused_where_it_cannot_be_kept(thinking, tiny_model):
     model, tokenizer = tiny_model
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", block_size=4, max_num_seqs=2,
                        max_model_len=64)
-    with pytest.raises(ConfigError, match=r"thinking_token_budget=4 needs a reasoning model, whose tokenizer has "
-                                          r"<think> and </think> tokens; this engine's has not"):
+    with pytest.raises(ConfigError, match=r"thinking_token_budget=4 needs a reasoning model whose tokenizer has "
+                                          r"<think> and </think> tokens, and this model has none; allowed: None or "
+                                          r"-1 \(no limit\)"):
         llm.generate(["hi"], SamplingParams(max_tokens=2, thinking_token_budget=4))
     with pytest.raises(ConfigError, match=r"thinking_token_budget=-2 is invalid; allowed: None, -1 \(no limit\) "
                                           r"or an integer >= 0"):
@@ -108,5 +108,4 @@ def test_the_budget_is_refused_where_it_cannot_be_kept(thinking, tiny_model):
     with pytest.raises(ConfigError, match=r"thinking_token_budget=3 is invalid; allowed: None with "
                                           r"structured_outputs"):
         SamplingParams(thinking_token_budget=3, structured_outputs={"choice": ["a", "b"]})
-    assert torch.is_tensor(torch.zeros(1))  # the engine is left usable:
-    assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].token_ids
+    assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].token_ids  # the engine is left usable

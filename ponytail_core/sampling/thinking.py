@@ -39,9 +39,9 @@ class ThinkingTags:
 def check_thinking_budget(params, tags: ThinkingTags | None) -> None:
     """ConfigError where a request's thinking_token_budget cannot be kept by this engine."""
     if params.thinking_token_budget is not None and tags is None:
-        raise ConfigError(f"thinking_token_budget={params.thinking_token_budget} needs a reasoning model, whose "
-                          f"tokenizer has {THINK_START} and {THINK_END} tokens; this engine's has not (or none): "
-                          "allowed: None")
+        raise ConfigError(f"thinking_token_budget={params.thinking_token_budget} needs a reasoning model whose "
+                          f"tokenizer has {THINK_START} and {THINK_END} tokens, and this model has none; allowed: "
+                          "None or -1 (no limit)")
 
 
 class ThinkingBudget:
