@@ -109,3 +109,34 @@ def test_the_budget_is_refused_where_it_cannot_be_kept(thinking, tiny_model):
                                           r"structured_outputs"):
         SamplingParams(thinking_token_budget=3, structured_outputs={"choice": ["a", "b"]})
     assert llm.generate(["hi"], SamplingParams(max_tokens=2))[0].token_ids  # the engine is left usable
+
+
+def test_through_the_api_the_thought_stops_at_the_budget_and_the_answer_follows(thinking, tmp_path):
+    """A chat with thinking_token_budget on a checkpoint whose tokenizer has the tags, under R1's
+    template (it opens the thought): reasoning holds the budget's tokens, content the rest."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from deployments.local_server import local_server
+    from test_reasoning import R1_TEMPLATE
+
+    model, tokenizer, *_ = thinking
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    with local_server(model=str(tmp_path), chat_template=R1_TEMPLATE, kv_cache_memory="16MiB",
+                      max_model_len=256, compile_model=False) as (replica, url):
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
+            ask = dict(model=replica.info.model_id, messages=[{"role": "user", "content": "Sky?"}], max_tokens=8,
+                       temperature=0, extra_body={"ignore_eos": True})
+            free = client.chat.completions.create(**ask)
+            capped = client.chat.completions.create(**{**ask, "extra_body": {"ignore_eos": True,
+                                                                              "thinking_token_budget": 3}})
+            streamed = [c.usage for c in client.chat.completions.create(
+                **{**ask, "extra_body": {"ignore_eos": True, "thinking_token_budget": 3}}, stream=True,
+                stream_options={"include_usage": True}) if c.usage]
+    assert free.choices[0].message.content is None  # never closed alone: all thought
+    assert free.usage.completion_tokens_details.reasoning_tokens == 8
+    message = capped.choices[0].message
+    assert message.reasoning and message.content  # the thought, then the answer after the forced tag
+    # The template's "<think>\n": the newline is the thought's first token, in the prompt (as vLLM counts it)
+    assert capped.usage.completion_tokens == 8 and capped.usage.completion_tokens_details.reasoning_tokens == 2
+    assert streamed[-1].completion_tokens_details.reasoning_tokens == 2
