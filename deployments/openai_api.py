@@ -513,11 +513,14 @@ class _OpenAIServer:
             for collected in results:
                 _record(metrics, [last for *_, last in collected], started)
             choices = [_with_stop_reason(fmt.choice(g * per_prompt + last.index, text, last.finish_reason, items), last)
-                       for g, collected in enumerate(results) for text, items, last in collected]
-            usage = _usage([collected[0][2] for collected in results],
+                       for g, collected in enumerate(results) for text, items, _, last in collected]
+            usage = _usage([collected[0][-1] for collected in results],
                            [last for collected in results for *_, last in collected])
             full = fmt.full(choices, usage)
             _add_prompt_logprobs(full, [first.prompt_logprob_entries for first in firsts], per_prompt)
+            if req.return_token_ids:
+                _add_token_ids(full, [ids for collected in results for _, _, ids, _ in collected],
+                               [first.prompt_token_ids for first in firsts], per_prompt)
             body = full.model_dump_json() if shape is None else json.dumps(shape.whole(full))
             return Response(body, media_type="application/json", headers=headers)
         except _ClientGone:
@@ -565,21 +568,23 @@ class _OpenAIServer:
 
     @staticmethod
     async def _collect(generation: _Generation, delta: GenerateDelta
-                       ) -> list[tuple[str, list[TokenLogprob] | None, GenerateDelta]]:
-        """(text, token logprobs, last delta) of each choice of one backend stream, by index."""
+                       ) -> list[tuple[str, list[TokenLogprob] | None, list[int], GenerateDelta]]:
+        """(text, token logprobs, token ids, last delta) of each choice of one backend stream, by index."""
         pieces: dict[int, list[str]] = {}
         items: dict[int, list[TokenLogprob] | None] = {}
+        token_ids: dict[int, list[int]] = {}
         lasts: dict[int, GenerateDelta] = {}
         while True:
             text, logprobs = _piece(delta)  # a choice's first delta carries the echoed prompt
             pieces.setdefault(delta.index, []).append(text)
+            token_ids.setdefault(delta.index, []).extend(delta.token_ids)
             if logprobs is not None:
                 items[delta.index] = (items.get(delta.index) or []) + logprobs
             lasts[delta.index] = delta
             if delta.finished:
                 break
             delta = _check(await generation.next())
-        return [("".join(pieces[i]), items.get(i), lasts[i]) for i in sorted(pieces)]
+        return [("".join(pieces[i]), items.get(i), token_ids[i], lasts[i]) for i in sorted(pieces)]
 
     @staticmethod
     async def _events(generations: list[_Generation], firsts: list[GenerateDelta], fmt: _CompletionFormat,
@@ -590,9 +595,12 @@ class _OpenAIServer:
         error = None
         continuous = req.continuous_usage
         try:
+            chat = isinstance(getattr(fmt, "chat_format", fmt), _ChatFormat)
+            prompt_ids = firsts[0].prompt_token_ids if chat else None  # completions: in each choice's first chunk
             for index in range(len(generations) * per_prompt):
                 opening = _usage([firsts[index // per_prompt]], []) if continuous else None
                 for chunk in fmt.start(index):
+                    chunk.prompt_token_ids, prompt_ids = prompt_ids, None  # a chat's: on the first chunk
                     yield _with_usage(chunk, opening)
             lasts: dict[int, GenerateDelta] = {}  # per choice: the delta that finished it
             prompts: dict[int, GenerateDelta] = {}  # per prompt: its last delta (its tokens counted once, whatever n)
@@ -600,15 +608,18 @@ class _OpenAIServer:
                 index = g * per_prompt + delta.index
                 so_far = _usage([delta], [delta]) if continuous else None
                 text, items = _piece(delta)
-                if text or items:
-                    for chunk in fmt.text(index, text, items):
-                        yield _with_usage(chunk, so_far)
+                chunks = list(fmt.text(index, text, items)) if text or items else []
                 if delta.finish_reason is not None and index not in lasts:
                     lasts[index] = delta
-                    for chunk in fmt.finish(index, delta.finish_reason):
+                    finishing = fmt.finish(index, delta.finish_reason)
+                    for chunk in finishing:
                         for choice in chunk.choices:
                             _with_stop_reason(choice, delta)
-                        yield _with_usage(chunk, so_far)
+                    chunks += finishing
+                if req.return_token_ids:
+                    chunks = _with_token_ids(fmt, chunks, index, delta)
+                for chunk in chunks:
+                    yield _with_usage(chunk, so_far)
                 if delta.finished:
                     prompts[g] = delta
                     on_finished([d for i, d in lasts.items() if i // per_prompt == g] or [delta])
@@ -651,6 +662,34 @@ def _add_prompt_logprobs(full, entries: list, per_prompt: int) -> None:
         return
     for choice in full.choices:
         choice.prompt_logprobs = entries[choice.index // per_prompt]
+
+
+def _add_token_ids(full, token_ids: list[list[int]], prompts: list[list[int] | None], per_prompt: int) -> None:
+    """vLLM's return_token_ids: each choice's token ids; the prompt's beside a chat's choices, in
+    each completion choice its prompt's."""
+    for choice, ids in zip(full.choices, token_ids):
+        choice.token_ids = ids
+    if isinstance(full, ChatCompletion):
+        full.prompt_token_ids = prompts[0]
+        return
+    for choice in full.choices:
+        choice.prompt_token_ids = prompts[choice.index // per_prompt]
+
+
+def _with_token_ids(fmt, chunks: list, index: int, delta: GenerateDelta) -> list:
+    """vLLM's return_token_ids, streamed: a delta's new token ids (and a completion choice's prompt
+    ids, with its first tokens) on the first of its chunks with that choice, or on an empty chunk
+    of their own where the format holds the text back (a tool call or a thought being parsed)."""
+    if not delta.token_ids and delta.prompt_token_ids is None:
+        return chunks
+    carrier = next((choice for chunk in chunks for choice in chunk.choices if choice.index == index), None)
+    if carrier is None:
+        own = getattr(fmt, "chat_format", fmt).finish(index, None)  # an empty delta, nothing finished
+        chunks, carrier = chunks + own, own[0].choices[0]
+    carrier.token_ids = list(delta.token_ids)
+    if isinstance(carrier, CompletionChoice):
+        carrier.prompt_token_ids = delta.prompt_token_ids
+    return chunks
 
 
 def _with_usage(chunk, usage: Usage | None):

@@ -121,6 +121,8 @@ class _SamplingRequest(_Request):
         lambda v: v in ("auto", "xgrammar"), "guided_decoding_backend other than auto or xgrammar")] = None
     # vLLM's: logprobs name tokens "token_id:<id>" (tokens whose text alone is not valid UTF-8 stay apart)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's: the answer carries the prompt's and each choice's token ids (streamed: each chunk its new ones)
+    return_token_ids: bool | None = None
     # vLLM's: only requests with the same salt share cached prompt prefixes (tenants apart)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely ones, beside the answer
@@ -401,7 +403,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
                                max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
                                documents=req.documents, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
-                               add_special_tokens=req.add_special_tokens)
+                               add_special_tokens=req.add_special_tokens, return_token_ids=bool(req.return_token_ids))
     sampling.setdefault("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
     if req.logprob_token_ids is not None and req.logprobs is None:
         raise ConfigError(f"logprob_token_ids={_shown(req.logprob_token_ids)} needs logprobs; allowed: "
@@ -415,7 +417,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
                            cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
-                           add_special_tokens=req.add_special_tokens)
+                           add_special_tokens=req.add_special_tokens, return_token_ids=bool(req.return_token_ids))
 
 
 MAX_BEAMS = 10  # ponytail.BeamSearchParams' limit: each beam asks for 2 x n of at most 20 logprobs a step
@@ -530,6 +532,9 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = _omit_if_none()
     finish_reason: str | None = None  # stop, length (abort when the engine gave up on it)
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it (not EOS)
+    # vLLM's return_token_ids: the prompt's (streamed: in the choice's first chunk) and the output's (new) ids
+    prompt_token_ids: list[int] | None = _omit_if_none()
+    token_ids: list[int] | None = _omit_if_none()
 
 
 class Completion(BaseModel):
@@ -559,6 +564,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as CompletionChoice's
+    token_ids: list[int] | None = _omit_if_none()  # vLLM's return_token_ids: the answer's
 
 
 class ChatCompletion(BaseModel):
@@ -570,6 +576,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     prompt_logprobs: PromptLogprobs | None = _omit_if_none()  # vLLM's, for the request's prompt
+    prompt_token_ids: list[int] | None = _omit_if_none()  # vLLM's return_token_ids
 
 
 class FunctionCallDelta(BaseModel):
@@ -597,6 +604,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # as CompletionChoice's, with the finish_reason
+    token_ids: list[int] | None = _omit_if_none()  # vLLM's return_token_ids: the tokens new in this chunk
 
 
 class ChatCompletionChunk(BaseModel):
@@ -607,6 +615,7 @@ class ChatCompletionChunk(BaseModel):
     system_fingerprint: str | None = None
     choices: list[ChatChunkChoice]
     usage: Usage | None = _omit_if_none()
+    prompt_token_ids: list[int] | None = _omit_if_none()  # vLLM's return_token_ids: the first chunk only
 
 
 class Model(BaseModel):

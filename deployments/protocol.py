@@ -38,6 +38,7 @@ class GenerateRequest:
     # vLLM's: the tokenizer's special tokens (BOS...) added to the prompt's text; None: the endpoint's
     # default, yes for a text prompt, no for chat (its template writes them)
     add_special_tokens: bool | None = None
+    return_token_ids: bool = False  # vLLM's: each choice's first delta carries the prompt's token ids
     # (tokenizer fingerprint, token ids) of the messages or text, set by the prefix router, which
     # tokenized them to hash their blocks: a replica whose tokenizer has that fingerprint
     # (prompts.tokenizer_fingerprint) takes the ids instead of tokenizing the prompt a second time.
@@ -97,6 +98,7 @@ class GenerateDelta:
     cached_tokens: int = 0  # of prompt_tokens, those the prefix cache held (computed once, not again)
     reasoning_tokens: int | None = None  # of completion_tokens, those in the thought (count_reasoning only)
     stop_reason: int | str | None = None  # with finish_reason "stop": the stop string or token id (None: EOS)
+    prompt_token_ids: list[int] | None = None  # return_token_ids: the prompt's, in each choice's first delta
 
 
 @dataclass(slots=True)

@@ -43,6 +43,7 @@ class PromptSaid:
     text: str | None  # echo: the prompt's text, which every choice's text starts with
     logprobs: list[TokenLogprob] | None  # echo with logprobs: the prompt tokens', in every choice's logprobs
     entries: list | None  # the prompt_logprobs field, in vLLM's shape (logprobs.prompt_logprob_entries)
+    token_ids: list[int] | None = None  # return_token_ids: the prompt's, in every choice's first delta
 
 
 class EngineReplica:
@@ -215,7 +216,7 @@ class EngineReplica:
                     said = self._prompt_said(output, params, request)
                     out.prompt_logprob_entries = said.entries  # the API reads them off the request's first delta
                 started.add(delta.index)
-                out.prompt_text, out.prompt_logprobs = said.text, said.logprobs
+                out.prompt_text, out.prompt_logprobs, out.prompt_token_ids = said.text, said.logprobs, said.token_ids
             if params.logprobs is not None and choice.logprobs is not None:
                 done = sent.get(delta.index, 0)
                 entries = choice.logprobs[done : done + len(delta.new_token_ids)]
@@ -247,7 +248,8 @@ class EngineReplica:
             token_ids = sequence.tokens[len(prompt):]
             out = GenerateDelta(request_id=request.request_id, text=sequence.text or "", token_ids=token_ids,
                                 finished=index == len(result.sequences) - 1, finish_reason=sequence.finish_reason,
-                                prompt_tokens=len(prompt), completion_tokens=len(token_ids), index=index)
+                                prompt_tokens=len(prompt), completion_tokens=len(token_ids), index=index,
+                                prompt_token_ids=list(prompt) if request.return_token_ids else None)
             if request.count_reasoning:
                 out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(token_ids)
             outs.append(out)  # stop_reason stays None: a beam stops on EOS only
@@ -267,7 +269,7 @@ class EngineReplica:
                                 cached_tokens=output.metrics.num_cached_prompt_tokens)
             if request.count_reasoning:
                 out.reasoning_tokens = ReasoningTokens(request.starts_in_thought, self.token_texts).feed(out.token_ids)
-            out.prompt_text, out.prompt_logprobs = said.text, said.logprobs
+            out.prompt_text, out.prompt_logprobs, out.prompt_token_ids = said.text, said.logprobs, said.token_ids
             out.prompt_logprob_entries = said.entries if i == 0 else None
             if params.logprobs is not None and choice.logprobs is not None:
                 out.logprobs = token_logprobs(self.token_texts, out.token_ids, choice.logprobs, shown_top(params))
@@ -288,12 +290,13 @@ class EngineReplica:
         ids, scored = output.prompt_token_ids, output.prompt_logprobs
         entries = (prompt_logprob_entries(self.token_texts, ids, scored, request.prompt_logprobs)
                    if request.prompt_logprobs is not None and scored is not None else None)
+        token_ids = list(ids) if request.return_token_ids else None
         if not request.echo:
-            return PromptSaid(None, None, entries)
+            return PromptSaid(None, None, entries, token_ids)
         text = output.prompt if output.prompt is not None else self.tokenizer.decode(ids)
         logprobs = (token_logprobs(self.token_texts, ids, scored, shown_top(params))
                     if params.logprobs is not None and scored is not None else None)  # echo with logprobs
-        return PromptSaid(text, logprobs, entries)
+        return PromptSaid(text, logprobs, entries, token_ids)
 
     async def tokenize(self, prompt: str | None = None, messages: list[dict] | None = None,
                        options: dict | None = None) -> list[int]:
