@@ -123,6 +123,9 @@ class _SamplingRequest(_Request):
     return_tokens_as_token_ids: bool | None = None
     # vLLM's: the answer carries the prompt's and each choice's token ids (streamed: each chunk its new ones)
     return_token_ids: bool | None = None
+    return_prompt_text: Annotated[Unsupported, _unsupported(lambda v: v is False, "return_prompt_text")] = None
+    return_token_offsets: Annotated[Unsupported, _unsupported(lambda v: v is False, "return_token_offsets")] = None
+    repetition_detection: Annotated[Unsupported, _unsupported(lambda v: False, "repetition_detection")] = None
     # vLLM's: only requests with the same salt share cached prompt prefixes (tenants apart)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely ones, beside the answer
@@ -131,6 +134,7 @@ class _SamplingRequest(_Request):
     bad_words: list[str] | None = None  # vLLM's: words the output may not contain
     # keep only the prompt's last this many tokens (-1: as many as the context allows; vLLM's)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1), AfterValidator(_not_zero)] | None = None
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "right" keeps the first tokens instead
     # vLLM's extras the engine cannot honour yet: refused with their values rather than ignored
     # vLLM's beam search: the n best of n beams (ponytail.LLM.beam_search), ranked by length_penalty
     use_beam_search: bool | None = None
@@ -401,6 +405,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
                                add_generation_prompt=req.add_generation_prompt,
                                continue_final_message=req.continue_final_message,
                                truncate_prompt_tokens=req.truncate_prompt_tokens,
+                               truncation_side=req.truncation_side or "left",
                                max_tokens_to_context=max_tokens is None, cache_salt=req.cache_salt,
                                documents=req.documents, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
                                add_special_tokens=req.add_special_tokens, return_token_ids=bool(req.return_token_ids))
@@ -416,6 +421,7 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
             sampling["prompt_logprobs"] = max(req.logprobs, req.prompt_logprobs or 0)
     return GenerateRequest(prompt=req.prompt, sampling=sampling, request_id=request_id or new_request_id("cmpl"),
                            echo=bool(req.echo), truncate_prompt_tokens=req.truncate_prompt_tokens,
+                           truncation_side=req.truncation_side or "left",
                            cache_salt=req.cache_salt, prompt_logprobs=req.prompt_logprobs, priority=req.priority,
                            add_special_tokens=req.add_special_tokens, return_token_ids=bool(req.return_token_ids))
 

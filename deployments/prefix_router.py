@@ -163,7 +163,8 @@ class PrefixAffinityRouter(KVBlockRouter):
         ids = self._all_token_ids(request)
         keep = request.truncate_prompt_tokens
         if ids is not None and isinstance(keep, int) and keep > 0 and len(ids) > keep:
-            ids = ids[-keep:]  # the replica runs only these (-1 depends on its context: hashed whole)
+            # the replica runs only these (-1 depends on its context: hashed whole)
+            ids = ids[:keep] if request.truncation_side == "right" else ids[-keep:]
         return ids
 
     def _all_token_ids(self, request: GenerateRequest) -> list[int] | None:

@@ -30,6 +30,7 @@ class GenerateRequest:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     truncate_prompt_tokens: int | None = None  # run only the prompt's last this many tokens (-1: what fits)
+    truncation_side: str = "left"  # vLLM's: "right" keeps the prompt's first truncate_prompt_tokens instead
     cache_salt: str | None = None  # only requests with the same salt share cached prefix blocks (vLLM's)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs field: each choice's first delta carries them
     priority: int = 0  # vLLM's: lower runs first where the engine's scheduling_policy is "priority"

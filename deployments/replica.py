@@ -175,7 +175,7 @@ class EngineReplica:
         answer_room = params.max_tokens  # what truncate_prompt_tokens -1 leaves room for
         if request.max_tokens_to_context:
             answer_room = min(answer_room, TRUNCATED_ANSWER_ROOM)
-        prompt = self._truncated(prompt, request.truncate_prompt_tokens, answer_room)
+        prompt = self._truncated(prompt, request.truncate_prompt_tokens, answer_room, request.truncation_side)
         if isinstance(prompt, list) and len(prompt) > self.max_prompt_tokens:
             raise ponytail.ContextLengthError(
                 f"prompt has {len(prompt)} tokens; allowed: at most {self.max_prompt_tokens} (max_prompt_tokens, "
@@ -341,9 +341,9 @@ class EngineReplica:
                                         request.continue_final_message, request.messages)
         return request
 
-    def _truncated(self, prompt, keep: int | None, max_tokens: int | None):
-        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens); -1: as many as fit in the
-        context with max_tokens after them (and within max_prompt_tokens)."""
+    def _truncated(self, prompt, keep: int | None, max_tokens: int | None, side: str = "left"):
+        """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens), its first ones with side
+        "right"; -1: as many as fit in the context with max_tokens after them (and within max_prompt_tokens)."""
         if keep is None:
             return prompt
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < -1 or keep == 0:
@@ -352,9 +352,12 @@ class EngineReplica:
         if not isinstance(prompt, list):
             raise ponytail.ConfigError("truncate_prompt_tokens needs the prompt as token ids, and this model has no "
                                        "tokenizer; allowed: token-id prompts, or no truncate_prompt_tokens")
+        if side not in ("left", "right"):
+            raise ponytail.ConfigError(f"truncation_side={side!r:.40} is invalid; allowed: left (keep the last "
+                                       "tokens), right (keep the first)")
         if keep == -1:
             keep = max(1, min(self.max_prompt_tokens, self.info.max_model_len - (max_tokens or 0)))
-        return prompt[-keep:]
+        return prompt[:keep] if side == "right" else prompt[-keep:]
 
     def _to_context(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """A request without max_tokens: at most what the prompt leaves of the context, and of the

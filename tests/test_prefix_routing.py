@@ -437,8 +437,9 @@ def test_a_truncated_prompt_is_hashed_as_the_replica_runs_it(clock):
     router = make_router(clock, tokenize=False)
     ids = list(range(1000, 1100))
 
-    def pending(keep: int) -> PendingRequest:
-        request = GenerateRequest(prompt=ids, sampling={"max_tokens": 20}, truncate_prompt_tokens=keep)
+    def pending(keep: int, side: str = "left") -> PendingRequest:
+        request = GenerateRequest(prompt=ids, sampling={"max_tokens": 20}, truncate_prompt_tokens=keep,
+                                  truncation_side=side)
         return PendingRequest(args=[request], kwargs={},
                               metadata=RequestMetadata(request_id="t", internal_request_id="t"))
 
@@ -447,5 +448,7 @@ def test_a_truncated_prompt_is_hashed_as_the_replica_runs_it(clock):
         assert hashes == ponytail.prefix_block_hashes(ids[-40:], BS, 39) and tokens == 40 + 20
         # -1: as many as fit, which the replica decides: hashed whole
         assert router.prompt_hashes(pending(-1), BS)[0] == ponytail.prefix_block_hashes(ids, BS, 99)
+        # truncation_side "right": the first N tokens
+        assert router.prompt_hashes(pending(40, "right"), BS)[0] == ponytail.prefix_block_hashes(ids[:40], BS, 39)
 
     run(router, body)

@@ -40,6 +40,10 @@ def scripted():
     ({"prompt_logprobs": 21}, "prompt_logprobs", "less than or equal to 20"),
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs", "with stream=true is not supported"),
     ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "positive number of tokens"),
+    ({"truncation_side": "middle"}, "truncation_side", "'left' or 'right'"),
+    ({"return_prompt_text": True}, "return_prompt_text", "not supported"),
+    ({"return_token_offsets": True}, "return_token_offsets", "not supported"),
+    ({"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection", "not supported"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
 ])
 def test_extras_the_engine_cannot_honour_are_400s_naming_them(scripted, extra, param, words):
@@ -122,6 +126,9 @@ def test_a_replica_refuses_truncation_it_cannot_do_naming_the_field():
     replica.info = ModelInfo(model_id="m", max_model_len=100, block_size=16, device="cpu", device_uuid=None)
     assert replica._truncated(list(range(50)), 10, 16) == list(range(40, 50))
     assert replica._truncated(list(range(150)), -1, 16) == list(range(66, 150))  # room for max_tokens
+    assert replica._truncated(list(range(50)), 10, 16, "right") == list(range(10))  # vLLM's truncation_side
+    with pytest.raises(ponytail.ConfigError, match="truncation_side='up' is invalid; allowed: left"):
+        replica._truncated(list(range(50)), 10, 16, "up")
     for bad in (0, -2, True, "5"):
         with pytest.raises(ponytail.ConfigError, match=f"truncate_prompt_tokens={bad!r} is invalid; allowed: a "
                                                        "positive integer"):
@@ -141,6 +148,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
         cut = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5}, **args)
         assert cut.usage.prompt_tokens == 5
         assert cut.choices[0].text == client.completions.create(prompt=ids[-5:], **args).choices[0].text
+        head = client.completions.create(prompt=ids, extra_body={"truncate_prompt_tokens": 5, "truncation_side":
+                                                                  "right"}, **args)
+        assert head.choices[0].text == client.completions.create(prompt=ids[:5], **args).choices[0].text
         chat = client.chat.completions.create(messages=ASK, extra_body={"truncate_prompt_tokens": 6}, **args)
         assert chat.usage.prompt_tokens == 6
         too_long = ids * (2 * replica.max_prompt_tokens // len(ids))  # more than the context holds
