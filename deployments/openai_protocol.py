@@ -126,6 +126,13 @@ class _SamplingRequest(_Request):
     return_prompt_text: Annotated[Unsupported, _unsupported(lambda v: v is False, "return_prompt_text")] = None
     return_token_offsets: Annotated[Unsupported, _unsupported(lambda v: v is False, "return_token_offsets")] = None
     repetition_detection: Annotated[Unsupported, _unsupported(lambda v: False, "repetition_detection")] = None
+    # vLLM's plug-in and disaggregation hooks (custom logits processors' arguments, KV/encoder transfer):
+    # this server has none of those, so a request that counts on them is refused rather than run without
+    vllm_xargs: Annotated[Unsupported, _unsupported(lambda v: not v, "vllm_xargs")] = None
+    kv_transfer_params: Annotated[Unsupported, _unsupported(lambda v: not v, "kv_transfer_params")] = None
+    ec_transfer_params: Annotated[Unsupported, _unsupported(lambda v: not v, "ec_transfer_params")] = None
+    # vLLM's: a reasoning model thinks at most this many tokens, then </think> is written for it (-1: no limit)
+    thinking_token_budget: int | None = None
     # vLLM's: only requests with the same salt share cached prompt prefixes (tenants apart)
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
     # vLLM's: each prompt token's logprob, rank and this many most likely ones, beside the answer
@@ -174,6 +181,7 @@ class CompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None  # as in chat (vLLM takes it here too)
     suffix: Annotated[Unsupported, _unsupported(lambda v: v == "", "suffix")] = None
     add_special_tokens: bool = True  # vLLM's: false tokenizes a text prompt without BOS...
+    prompt_embeds: Annotated[Unsupported, _unsupported(lambda v: not v, "prompt_embeds")] = None
 
 
 class TextPart(_Request):
@@ -286,8 +294,6 @@ class ChatCompletionRequest(_SamplingRequest):
         lambda v: False, "chat_template per request (the server's chat_template sets it)")] = None
     documents: list[dict[str, str]] | None = None  # vLLM's: passed to templates that take them (RAG)
     add_special_tokens: bool = False  # vLLM's: true adds the tokenizer's BOS... to what the template writes
-    # vLLM's: a reasoning model thinks at most this many tokens, then </think> is written for it (-1: no limit)
-    thinking_token_budget: int | None = None
 
     def field_name(self, sampling_name: str) -> str:
         """The request field a SamplingParams field came from (for error messages)."""
@@ -390,13 +396,13 @@ def to_generate_request(req: CompletionRequest | ChatCompletionRequest,
         sampling["logit_bias"] = _token_keys(req.logit_bias)
     if req.logprob_token_ids is not None:
         sampling["logprob_token_ids"] = req.logprob_token_ids
+    if req.thinking_token_budget is not None:
+        sampling["thinking_token_budget"] = req.thinking_token_budget
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if max_tokens is not None:
             sampling["max_tokens"] = max_tokens
         sampling.update(chat_logprob_fields(req))
-        if req.thinking_token_budget is not None:
-            sampling["thinking_token_budget"] = req.thinking_token_budget
         messages = [m.to_dict() for m in req.messages]
         kwargs = template_kwargs(req)
         check_chat_template_options(kwargs, req.add_generation_prompt, req.continue_final_message, messages)

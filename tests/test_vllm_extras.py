@@ -44,6 +44,8 @@ def scripted():
     ({"return_prompt_text": True}, "return_prompt_text", "not supported"),
     ({"return_token_offsets": True}, "return_token_offsets", "not supported"),
     ({"repetition_detection": {"max_pattern_size": 4}}, "repetition_detection", "not supported"),
+    ({"vllm_xargs": {"my_processor": 1}}, "vllm_xargs", "not supported"),
+    ({"kv_transfer_params": {"do_remote_prefill": True}}, "kv_transfer_params", "not supported"),
     ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", "greater than or equal to -1"),
 ])
 def test_extras_the_engine_cannot_honour_are_400s_naming_them(scripted, extra, param, words):
@@ -92,6 +94,10 @@ def test_thinking_token_budget_reaches_the_engine(scripted):
     assert backend.requests[-1].sampling["thinking_token_budget"] == 64
     client.chat.completions.create(model=MODEL, messages=ASK)
     assert "thinking_token_budget" not in backend.requests[-1].sampling
+    client.completions.create(model=MODEL, prompt="x", extra_body={"thinking_token_budget": 8})  # vLLM's, here too
+    assert backend.requests[-1].sampling["thinking_token_budget"] == 8
+    with pytest.raises(openai.BadRequestError, match="prompt_embeds is not supported"):
+        client.completions.create(model=MODEL, prompt="x", extra_body={"prompt_embeds": "AAAA"})
 
 
 def test_add_special_tokens_decides_the_prompt_token_ids(default_model):
