@@ -2,21 +2,10 @@
 beside the sampled token's, equal to plain transformers' log_softmax (CPU, fp32)."""
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from test_prompt_logprobs import model, plain_log_softmax  # noqa: F401 (model: the module's fixture)
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
-
-VOCAB = 256
-
-
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512)
-    return LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")
@@ -24,16 +13,9 @@ def llm(model):
     return ponytail.LLM(model, kv_cache_memory="4MiB", block_size=4, max_num_seqs=8, max_model_len=128)
 
 
-def step_log_softmax(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+def step_log_softmax(model, prompt: list[int], output: list[int]):
     """[len(output), vocab]: the distribution each output token was drawn from, by a plain forward."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")  # the engine switched its model to Ponytail's attention
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + output[:-1]])).logits[0].float()
-    finally:
-        model.set_attn_implementation(previous)
-    return logits.log_softmax(-1)[len(prompt) - 1:]
+    return plain_log_softmax(model, prompt + output[:-1])[len(prompt) - 1:]
 
 
 def test_tracked_tokens_equal_plain_log_softmax_beside_rows_that_ask_for_top_ones(llm, model):
