@@ -30,6 +30,10 @@ parts_ready() {
 }
 
 mkdir -p /tmp/site && tar xJf .gpu/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+# Nothing is pip-installed here: `import ponytail` finds a tree of links laid out as pyproject maps the
+# package (ponytail_core/ as ponytail, cuda_kernels/ as ponytail.cuda_kernels).
+rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -rs "$PWD/ponytail_core" /tmp/pkg/ponytail \
+  && ln -s "$PWD/cuda_kernels" /tmp/pkg/ponytail/cuda_kernels && export PYTHONPATH=/tmp/pkg:$PWD:$PYTHONPATH
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/tree.txt" 2>/dev/null
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
