@@ -12,7 +12,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica
 import ponytail
 
 from .prefix_index import PrefixIndex
-from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
+from .prompts import prompt_token_ids, tokenizer_fingerprint, truncated, use_chat_template, with_template_defaults
 from .segment_tokens import SegmentCache
 from .protocol import STAT_CACHED_BLOCKS, GenerateRequest
 from .router import KVBlockRouter, Placement, Report, blocks_needed, read_report, request_tokens
@@ -163,8 +163,7 @@ class PrefixAffinityRouter(KVBlockRouter):
         ids = self._all_token_ids(request)
         keep = request.truncate_prompt_tokens
         if ids is not None and isinstance(keep, int) and keep > 0 and len(ids) > keep:
-            # the replica runs only these (-1 depends on its context: hashed whole)
-            ids = ids[:keep] if request.truncation_side == "right" else ids[-keep:]
+            ids = truncated(ids, keep, request.truncation_side)  # what the replica runs (-1 depends on its context)
         return ids
 
     def _all_token_ids(self, request: GenerateRequest) -> list[int] | None:

@@ -71,6 +71,12 @@ def prompt_token_ids(tokenizer: Any, request: GenerateRequest, segments: Segment
     return list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens is not False)["input_ids"])
 
 
+def truncated(token_ids: list[int], keep: int, side: str = "left") -> list[int]:
+    """vLLM's truncate_prompt_tokens (keep > 0) as its truncation_side says: the last `keep` ids
+    ("left", the default), or the first ("right"). The replica runs these; the router hashes them."""
+    return token_ids[:keep] if side == "right" else token_ids[-keep:]
+
+
 def tokenizer_fingerprint(tokenizer: Any, template_defaults: dict[str, Any] | None = None) -> str | None:
     """A digest of everything that decides a prompt's token ids (the fast tokenizer's whole
     definition, the chat template, the special tokens): two processes whose tokenizers share it

@@ -21,7 +21,7 @@ from .generation_defaults import model_sampling_defaults
 from .logprobs import TokenTexts, prompt_logprob_entries, shown_top, token_logprobs
 from .metrics import ReplicaMetrics
 from .prefix_publisher import LOG_CAPACITY, PrefixPublisher
-from .prompts import prompt_token_ids, tokenizer_fingerprint, use_chat_template, with_template_defaults
+from .prompts import prompt_token_ids, tokenizer_fingerprint, truncated, use_chat_template, with_template_defaults
 from .reasoning import REASONING_PARSERS, THINK, ReasoningTokens, served_reasoning_format, thought_opens
 from .tool_parsers import TOOL_CALL_PARSERS, served_tool_call_format
 from .segment_tokens import SegmentCache
@@ -234,9 +234,8 @@ class EngineReplica:
         if others:  # a handle caller's request, which no API checked
             raise ponytail.ConfigError(f"{others[0]}={request.sampling[others[0]]!r:.60} cannot be combined with "
                                        f"beam_search; allowed with it: {', '.join(BEAM_SEARCH_SAMPLING)}")
-        if isinstance(prompt, str):  # as the engine tokenizes text
-            prompt = (await asyncio.to_thread(self.tokenizer, prompt,
-                                              add_special_tokens=request.add_special_tokens is not False))["input_ids"]
+        if isinstance(prompt, str):  # as every text prompt is tokenized (add_special_tokens)
+            prompt = await asyncio.to_thread(prompt_token_ids, self.tokenizer, request)
         beam = ponytail.BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
                                          ignore_eos=params.ignore_eos, temperature=params.temperature,
                                          length_penalty=request.beam_search["length_penalty"],
@@ -357,7 +356,7 @@ class EngineReplica:
                                        "tokens), right (keep the first)")
         if keep == -1:
             keep = max(1, min(self.max_prompt_tokens, self.info.max_model_len - (max_tokens or 0)))
-        return prompt[:keep] if side == "right" else prompt[-keep:]
+        return truncated(prompt, keep, side)
 
     def _to_context(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
         """A request without max_tokens: at most what the prompt leaves of the context, and of the

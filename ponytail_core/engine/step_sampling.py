@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import operator
 
 import torch
@@ -31,16 +32,22 @@ class StepBatches:
         self.generators = generators  # the engine's: request id -> the request's own generator
         self.eos_token_ids = eos_token_ids
         self.tokenizer = tokenizer
-        self.thinking_tags = ThinkingTags.of(tokenizer)  # the model's <think> and </think>, for thinking budgets
         self.num_built = 0
         self.num_reused = 0
         self._rows: list[Request] = []  # the kept batch's requests (held, so none is a new object)
         self._batch: SamplingBatch | None = None
 
+    @functools.cached_property
+    def thinking_tags(self) -> ThinkingTags | None:
+        """The model's <think> and </think>, looked up (the whole vocabulary) only once a request
+        has a thinking budget: not at every engine's start."""
+        return ThinkingTags.of(self.tokenizer)
+
     def checked(self, params: SamplingParams, vocab_size: int) -> SamplingParams:
         """A request's params as this engine samples them: bad_words tokenized, the token ids they
         name inside the vocabulary, a thinking budget only where the model has thinking tags."""
-        check_thinking_budget(params, self.thinking_tags)
+        if params.thinking_token_budget is not None:
+            check_thinking_budget(params, self.thinking_tags)
         return checked_token_bans(params, self.tokenizer, vocab_size)
 
     def build(self, requests: list[Request], live: list[bool], vocab_size: int,
