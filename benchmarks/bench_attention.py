@@ -30,6 +30,7 @@ from ponytail import CacheConfig, PagedKVCache
 from ponytail.attention import decode as decode_kernel, prefill_cupy, torch_fallback
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from ponytail.attention.chunks import attention_over_new_tokens, equal_length_runs
+from fa3_decode import fa3_decode, fa3_problem
 
 MAX_REL_ERROR = 2e-2
 REPS = 5  # decode calls per timed sample
@@ -64,8 +65,10 @@ def rel_error(out, ref) -> float:
     return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters, launch_sets) -> list[dict]:
-    """One result per launch set (overrides of attention.decode_kernel.LAUNCH) on the same data."""
+def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters, launch_sets,
+                 fa3: bool = False) -> list[dict]:
+    """One result per launch set (overrides of attention.decode_kernel.LAUNCH) on the same data;
+    fa3: also vLLM's FlashAttention-3 decode call on the same blocks (fa3_ms in every result)."""
     cache, tables, seq_lens = make_paged(batch, kv_heads, head_dim, context, dtype, device)
     k, v = contiguous_kv(cache, tables, seq_lens)
     query = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
@@ -82,6 +85,15 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
 
     expected = sdpa()
     sdpa_ms = graph_ms(sdpa, iters=iters, device=device, reps=REPS)
+    fa3_ms = None
+    if fa3:
+        call = fa3_decode(cache.storage, tables, seq_lens, query, scale)
+        err = rel_error(call(), expected)
+        if err > MAX_REL_ERROR:
+            raise SystemExit(f"{name} FlashAttention-3: relative error {err:.2e} vs SDPA")
+        fa3_ms = graph_ms(call, iters=iters, device=device, reps=REPS)
+        print(f"  {name} FlashAttention-3 (vLLM's decode call): {tbps(kv_bytes, fa3_ms):.2f} TB/s", flush=True)
+        del call
     results = []
     for launch in launch_sets:
         saved = dict(decode_kernel.LAUNCH)
@@ -100,7 +112,8 @@ def bench_decode(batch, heads, kv_heads, head_dim, context, dtype, device, iters
             decode_kernel.LAUNCH.clear()
             decode_kernel.LAUNCH.update(saved)
         results.append({"case": name, "kind": "decode", "launch": launch, "plan": plan, "kv_bytes": kv_bytes,
-                        "rel_error": err, "ponytail_ms": ours_ms, "ponytail_eager_ms": eager_ms, "sdpa_ms": sdpa_ms,
+                        "rel_error": err, "ponytail_ms": ours_ms, "fa3_ms": fa3_ms,
+                        "ponytail_eager_ms": eager_ms, "sdpa_ms": sdpa_ms,
                         "ponytail_tbps": tbps(kv_bytes, ours_ms), "sdpa_tbps": tbps(kv_bytes, sdpa_ms),
                         "ratio": sdpa_ms / ours_ms})
         print(f"  {name} {plan}: {results[-1]['ponytail_tbps']:.2f} TB/s vs SDPA "
@@ -186,7 +199,12 @@ def main() -> int:
                              "(repeatable: one set each; the defaults always run first)")
     parser.add_argument("--only", default="", help="run only cases whose name contains this")
     parser.add_argument("--decode-only", action="store_true")
+    parser.add_argument("--fa3", action="store_true",
+                        help="decode against vLLM's FlashAttention-3 too (vllm.vllm_flash_attn importable, sm90)")
     args = parser.parse_args()
+    if args.fa3 and (problem := fa3_problem()) is not None:
+        print(f"--fa3: {problem}", file=sys.stderr)
+        return 2
     launch_sets = [{}] + [parse_launch(text) for text in args.launch]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.small:
@@ -206,7 +224,7 @@ def main() -> int:
     results = []
     for b, h, kv, d, ctx in decode:
         if args.only in f"decode B={b} Hq={h} Hkv={kv} D={d} ctx={ctx}":
-            results += bench_decode(b, h, kv, d, ctx, dtype, device, iters, launch_sets)
+            results += bench_decode(b, h, kv, d, ctx, dtype, device, iters, launch_sets, args.fa3)
             torch.cuda.empty_cache() if device.type == "cuda" else None
     if not args.decode_only:
         for b, h, kv, d, ctx, new in prefill:
@@ -218,12 +236,14 @@ def main() -> int:
            "launch": dict(decode_kernel.LAUNCH)}
     print(f"\n{env}")
     print(f"{'decode case':44s} {'launch':26s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'rel err':>8s} "
-          f"{'eager':>10s}")
+          f"{'eager':>10s} {'FA3':>10s} {'vs FA3':>6s}")
     for r in results:
         if r["kind"] == "decode":
+            fa3_cols = (f" {tbps(r['kv_bytes'], r['fa3_ms']):7.2f}TB/s {r['fa3_ms'] / r['ponytail_ms']:6.2f}"
+                        if r["fa3_ms"] else "")
             print(f"{r['case']:44s} {r['plan'] or '':26s} {r['ponytail_tbps']:7.2f}TB/s "
                   f"{r['sdpa_tbps']:7.2f}TB/s {r['ratio']:6.2f} {r['rel_error']:8.1e} "
-                  f"{tbps(r['kv_bytes'], r['ponytail_eager_ms']):7.2f}TB/s")
+                  f"{tbps(r['kv_bytes'], r['ponytail_eager_ms']):7.2f}TB/s{fa3_cols}")
     print(f"{'prefill case':60s} {'ponytail':>10s} {'SDPA':>10s} {'ratio':>6s} {'kernel only':>11s} "
           f"{'rel err':>8s} {'eager: ponytail':>16s} {'SDPA':>8s} {'ratio':>6s}")
     for r in results:
@@ -234,7 +254,8 @@ def main() -> int:
                   f"{r['sdpa_eager_ms'] * 1e3:6.0f}us {r['eager_ratio']:6.2f}")
     print("decode bandwidth = K+V bytes attended / time, timed as CUDA-graph replays of "
           f"{REPS} calls (device time); 'eager' = {REPS} plain calls back to back, host overhead "
-          "included; ratio = ponytail / SDPA speed (SDPA time / ours). Prefill tokens/s likewise from "
+          "included; ratio = ponytail / SDPA speed (SDPA time / ours); vs FA3 = ours / vLLM's "
+          "FlashAttention-3 speed. Prefill tokens/s likewise from "
           "graph replays, both sides ending in the [B, T, Hq, D] layout the output projection reads (for "
           "SDPA, transformers' transpose(1, 2).contiguous()); 'kernel only' = against SDPA's call "
           "alone; the eager columns time single calls, host overhead included.")

@@ -566,6 +566,8 @@ PONYTAIL_DECODE_HEAD_SIZES(fp32, float)
 // Tuning variants of the benchmarked shape (bf16, head_dim 128), for benchmarks/bench_attention.py.
 PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 4, 4, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 8, 3, 1)
+PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 4, 2, 1)
+PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 8, 2, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 8, 3, 1)
 PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 2)

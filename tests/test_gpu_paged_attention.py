@@ -162,6 +162,16 @@ def test_decode_launch_variants(launch):
     assert rel(out, same.double()) < 1e-2
 
 
+@pytest.mark.parametrize("launch", [
+    {"decode_stages_g1": 4}, {"decode_stages_g1": 2}, {"decode_loads": 8},
+    {"decode_loads": 8, "decode_stages_g1": 2},  # MHA tuning variants (bf16, head_dim 128)
+])
+def test_decode_mha_launch_variants(launch):
+    out = run_case([1, 700, 16, 2000, 0], kv_heads=4, group=1, head_dim=128, dtype=torch.bfloat16, launch=launch)
+    same = run_case([1, 700, 16, 2000, 0], kv_heads=4, group=1, head_dim=128, dtype=torch.bfloat16)
+    assert rel(out, same.double()) < 1e-2
+
+
 @pytest.mark.parametrize("block_size", [1, 4, 32, 128])
 def test_decode_block_sizes(block_size):
     run_case([1, 33, 500, 1500], kv_heads=2, group=4, head_dim=128, dtype=torch.float16, block_size=block_size)

@@ -8,12 +8,18 @@
 # 2. installs FlashAttention-4 from /tmp/fa4parts once its parts are there (waits FA4_WAIT_S, then goes on
 #    without it: its tests skip and say so)
 # 3. STEPS (default "syncs suite bench"): probe_step_syncs, the whole `pytest -m gpu` suite, and, once
-#    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine against vLLM with BENCH_ARGS
+#    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default
+#    ponytail,vllm); also `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS) and `e2e`
+#    (serve_side_by_side: serve run against vllm serve); SUITE_TESTS narrows the suite. A second run in
+#    the same lease skips what the first built.
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
 set -uo pipefail
-RES=/tmp/res; mkdir -p "$RES"
+RES=/tmp/res; mkdir -p "$RES"; rm -f "$RES"/*.done
 STEPS=${STEPS:-"syncs suite bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--workload all --rounds 2"}
+PEERS=${PEERS:-"ponytail,vllm"}
+ATTN_ARGS=${ATTN_ARGS:-"--launch decode_warps=8 --launch decode_warps=2 --launch decode_stages_g1=4 \
+  --launch decode_stages_g1=2 --launch decode_loads=8 --launch decode_loads=8,decode_stages_g1=2"}
 export PYTHONUNBUFFERED=1
 log() { echo "$(date +%T) $*" | tee -a "$RES/steps.log"; }
 
@@ -37,12 +43,17 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -rs "$PWD/ponytail_core" /tmp/pkg/pon
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/tree.txt" 2>/dev/null
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
-python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
-python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
-  --device cuda >> "$RES/ckpt.log" 2>&1
-log "checkpoints built (rc $?)"
+# A second lease.sh in the same lease (other STEPS) keeps what the first one built.
+if [ ! -f /tmp/ponytail-7b-random/config.json ]; then
+  python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
+  python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
+    --device cuda >> "$RES/ckpt.log" 2>&1
+  log "checkpoints built (rc $?)"
+fi
 
-if parts_ready /tmp/fa4parts "${FA4_WAIT_S:-120}"; then
+if [ -d /tmp/fa4site/flash_attn ]; then
+  export PYTHONPATH=/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
+elif parts_ready /tmp/fa4parts "${FA4_WAIT_S:-120}"; then
   mkdir -p /tmp/fa4 && cat /tmp/fa4parts/part_* | tar xf - -C /tmp/fa4
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fa4site /tmp/fa4/wheels/*.whl \
     > "$RES/fa4_install.log" 2>&1
@@ -52,26 +63,44 @@ else
   log "FlashAttention-4 parts not there: going on without it"
 fi
 
+VP=/tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages
+# vLLM from its parts in /tmp/parts (waits VLLM_WAIT_S for them), once per lease.
+install_vllm() {
+  [ -f "$RES/vllm.installed" ] && return 0
+  if ! parts_ready /tmp/parts "${VLLM_WAIT_S:-300}"; then log "vLLM parts not there"; return 1; fi
+  if ! bash /tmp/parts/install.sh /tmp/parts /tmp/vsite > "$RES/vllm_install.log" 2>&1; then
+    log "vLLM install failed (vllm_install.log)"; return 1
+  fi
+  touch "$RES/vllm.installed"; log "vLLM installed"
+}
+
 for step in $STEPS; do
   case $step in
     syncs)
       python3 benchmarks/probe_step_syncs.py --model /tmp/ponytail-smollm2-random --json "$RES/syncs.json" \
         > "$RES/syncs.log" 2>&1 ;;
     suite)
-      python3 -m pytest -q -m gpu tests/ -p no:cacheprovider -rs > "$RES/suite.log" 2>&1
-      log "suite: $(tail -1 "$RES/suite.log")" ;;
-    bench)
-      if ! parts_ready /tmp/parts "${VLLM_WAIT_S:-300}"; then log "vLLM parts not there: bench skipped"; continue; fi
-      if ! bash /tmp/parts/install.sh /tmp/parts /tmp/vsite > "$RES/vllm_install.log" 2>&1; then
-        log "vLLM install failed (vllm_install.log): bench skipped"; continue
-      fi
-      touch "$RES/vllm.installed"; log "vLLM installed"
-      VP=/tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages
       # shellcheck disable=SC2086
-      python3 benchmarks/bench_engine.py --model /tmp/ponytail-7b-random $BENCH_ARGS --peers ponytail,vllm \
-        --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir /tmp/vllm-run \
+      python3 -m pytest -q -m gpu ${SUITE_TESTS:-tests/} -p no:cacheprovider -rs > "$RES/suite.log" 2>&1
+      log "suite: $(tail -1 "$RES/suite.log")" ;;
+    attn)  # the decode kernel's launch variants against SDPA and vLLM's FlashAttention-3, MHA shapes
+      if ! install_vllm; then log "attn skipped"; continue; fi
+      # shellcheck disable=SC2086
+      (cd benchmarks && PYTHONPATH=$PYTHONPATH:$VP python3 bench_attention.py --decode-only \
+        --only "${ATTN_ONLY:-Hkv=32}" --fa3 $ATTN_ARGS --json "$RES/attn.json") > "$RES/attn.log" 2>&1
+      log "attn: rc $?" ;;
+    bench)
+      if ! install_vllm; then log "bench skipped"; continue; fi
+      # shellcheck disable=SC2086
+      python3 benchmarks/bench_engine.py --model /tmp/ponytail-7b-random $BENCH_ARGS --peers "$PEERS" \
+        --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir "/tmp/vllm-run-$(date +%s)" \
         --json "$RES/peers.json" > "$RES/bench.log" 2>&1
       log "bench: rc $?" ;;
+    e2e)  # serve run deployments/app.yaml against vllm serve, the 135M shape, one server at a time
+      if ! install_vllm; then log "e2e skipped"; continue; fi
+      python3 benchmarks/serve_side_by_side.py --model /tmp/ponytail-smollm2-random --servers ponytail,vllm \
+        --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --json "$RES/side.json" > "$RES/side.log" 2>&1
+      log "e2e: rc $?" ;;
     *) log "unknown step $step" ;;
   esac
   touch "$RES/$step.done"

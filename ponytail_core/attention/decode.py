@@ -29,7 +29,8 @@ _LOG2E = 1.4426950408889634
 LAUNCH = {
     "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
     # The next three are compiled into the kernel names (..._l4s3v1); paged_attention.cu ships
-    # l4s3v1 for every group, plus tuning variants for bf16 / head_dim 128 (l4s4v1, l8s3v1, l4s4v2).
+    # l4s3v1 for every group, plus tuning variants for bf16 / head_dim 128 (l4s4v1, l8s3v1, l4s4v2;
+    # for one head a CTA also l4s2v1, l8s2v1).
     # On an H200, l4s3 (52 KiB of shared memory: 4 CTAs per SM) beat l4s4 (3 CTAs) by 5-20%.
     "decode_loads": 4,  # 16-byte K (and V) vectors per lane per step
     "decode_stages_g1": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight),
