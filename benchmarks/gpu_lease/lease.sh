@@ -82,7 +82,8 @@ for step in $STEPS; do
     suite)
       # shellcheck disable=SC2086
       python3 -m pytest -q -m gpu ${SUITE_TESTS:-tests/} -p no:cacheprovider -rs > "$RES/suite.log" 2>&1
-      log "suite: $(tail -1 "$RES/suite.log")" ;;
+      # pytest's summary line; a CUDA warning printed at exit may come after it
+      log "suite: $(grep -E '[0-9]+ (passed|failed)' "$RES/suite.log" | tail -1)" ;;
     attn)  # the decode kernel's launch variants against SDPA and vLLM's FlashAttention-3, MHA shapes
       if ! install_vllm; then log "attn skipped"; continue; fi
       # shellcheck disable=SC2086
