@@ -189,6 +189,11 @@ def parse_launch(text: str) -> dict:
     return out
 
 
+def selected(only: str, case: str) -> bool:
+    """--only's filter: the case name contains one of the |-separated alternatives."""
+    return any(part in case for part in only.split("|"))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--small", action="store_true", help="small sizes (CPU or quick GPU check)")
@@ -197,7 +202,8 @@ def main() -> int:
     parser.add_argument("--launch", action="append", default=[], metavar="K=V,K=V",
                         help="time decode again with these attention.decode_kernel.LAUNCH overrides "
                              "(repeatable: one set each; the defaults always run first)")
-    parser.add_argument("--only", default="", help="run only cases whose name contains this")
+    parser.add_argument("--only", default="",
+                        help="run only cases whose name contains this (alternatives separated by |)")
     parser.add_argument("--decode-only", action="store_true")
     parser.add_argument("--fa3", action="store_true",
                         help="decode against vLLM's FlashAttention-3 too (vllm.vllm_flash_attn importable, sm90)")
@@ -219,16 +225,18 @@ def main() -> int:
         decode = [(64, 32, kv, 128, ctx) for ctx in (1024, 4096, 16384) for kv in (32, 8)]
         decode += [(4, 32, kv, 128, 32768) for kv in (32, 8)]
         decode += [(16, 32, 32, 128, 4096)]  # bench_engine's long decode: 3.4 TB/s in the engine's profile
+        # mixed's small decode batches, where the split plan decides (a third of its steps have <= 8 rows)
+        decode += [(b, 32, 32, 128, ctx) for b, ctx in ((1, 2048), (1, 8192), (4, 2048), (8, 1024), (32, 2048))]
         prefill = [(4, 32, 8, 128, ctx, new) for new in (512, 2048) for ctx in (0, 4096)]
         iters = args.iters
     results = []
     for b, h, kv, d, ctx in decode:
-        if args.only in f"decode B={b} Hq={h} Hkv={kv} D={d} ctx={ctx}":
+        if selected(args.only, f"decode B={b} Hq={h} Hkv={kv} D={d} ctx={ctx}"):
             results += bench_decode(b, h, kv, d, ctx, dtype, device, iters, launch_sets, args.fa3)
             torch.cuda.empty_cache() if device.type == "cuda" else None
     if not args.decode_only:
         for b, h, kv, d, ctx, new in prefill:
-            if args.only in f"prefill B={b} Hq={h} Hkv={kv} D={d} T={new} ctx={ctx}":
+            if selected(args.only, f"prefill B={b} Hq={h} Hkv={kv} D={d} T={new} ctx={ctx}"):
                 results.append(bench_prefill(b, h, kv, d, ctx, new, dtype, device, iters))
                 torch.cuda.empty_cache() if device.type == "cuda" else None
     env = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
