@@ -86,10 +86,11 @@ for step in $STEPS; do
       # pytest's summary line; a CUDA warning printed at exit may come after it
       log "suite: $(grep -E '[0-9]+ (passed|failed)' "$RES/suite.log" | tail -1)" ;;
     attn)  # the decode kernel's launch variants against SDPA and vLLM's FlashAttention-3, MHA shapes
-      if ! install_vllm; then log "attn skipped"; continue; fi
+      fa3=--fa3  # ATTN_FA3=0: our kernel and SDPA only, no vLLM install
+      if [ "${ATTN_FA3:-1}" = 0 ]; then fa3=""; elif ! install_vllm; then log "attn skipped"; continue; fi
       # shellcheck disable=SC2086
       (cd benchmarks && PYTHONPATH=$PYTHONPATH:$VP python3 bench_attention.py --decode-only \
-        --only "${ATTN_ONLY:-Hkv=32}" --fa3 $ATTN_ARGS --json "$RES/attn.json") > "$RES/attn.log" 2>&1
+        --only "${ATTN_ONLY:-Hkv=32}" $fa3 $ATTN_ARGS --json "$RES/attn.json") > "$RES/attn.log" 2>&1
       log "attn: rc $?" ;;
     bench)
       if ! install_vllm; then log "bench skipped"; continue; fi
