@@ -42,6 +42,9 @@ LAUNCH = {
     "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
     "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
     "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
+    # 1: only power-of-two split counts. On an H100 every plan of 3, 5, 6 or 7 splits ran 8-14% under
+    # the plans of 1, 2 or 4 (docs/benchmarks.md, thirty-second session); an experiment, off by default.
+    "pow2_splits": 0,
 }
 
 
@@ -105,18 +108,22 @@ def plan_splits(base_ctas: int, max_tokens: int, block_size: int, resident_ctas:
     min_split_tokens. split_tokens is a multiple of block_size.
     """
     return _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, LAUNCH["max_split_blocks"],
-                        LAUNCH["min_split_tokens"], LAUNCH["split_overhead_tokens"])
+                        LAUNCH["min_split_tokens"], LAUNCH["split_overhead_tokens"], bool(LAUNCH["pow2_splits"]))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blocks, min_split_tokens,
-                 overhead_tokens) -> tuple[int, int]:
+                 overhead_tokens, pow2: bool = False) -> tuple[int, int]:
     if max_tokens == 0:
         return 1, block_size
     fewest = cdiv(max_tokens, max_split_blocks * block_size)
     most = max(fewest, max_tokens // max(min_split_tokens, 1))
+    counts = range(fewest, most + 1)
+    if pow2:  # powers of two from the one at or above fewest (the table must fit) up to most
+        first = 1 << (fewest - 1).bit_length()
+        counts = [first << k for k in range(max(most // first, 1).bit_length())]
     best = None
-    for splits in range(fewest, most + 1):
+    for splits in counts:
         split_tokens = cdiv(cdiv(max_tokens, splits), block_size) * block_size
         used = cdiv(max_tokens, split_tokens)
         waves = cdiv(base_ctas * used, resident_ctas)
