@@ -22,7 +22,7 @@ def fa3_problem() -> str | None:
     if torch.cuda.get_device_capability()[0] != 9:
         return "FlashAttention-3 runs on sm90 only"
     try:
-        from vllm.vllm_flash_attn import flash_attn_interface  # noqa: F401
+        from vllm.vllm_flash_attn import flash_attn_interface
     except Exception as error:  # ImportError, or its CUDA extension failing to load
         return f"vllm.vllm_flash_attn is not importable ({type(error).__name__}: {error})"
     if not flash_attn_interface.FA3_AVAILABLE:

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from ponytail import CacheConfig, KernelError, PagedKVCache
 from ponytail.kernels import loader as kernel_loader
+from ponytail.attention import decode
 from ponytail.attention.decode import decode_choice, plan_splits
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from cache_machine import kernels
@@ -221,8 +222,6 @@ def test_split_plan_covers_the_table_and_fills_the_waves():
 
 
 def test_split_plan_with_power_of_two_counts_only(monkeypatch):
-    from ponytail.attention import decode
-
     monkeypatch.setitem(decode.LAUNCH, "pow2_splits", 1)
     for base, tokens, block in [(2048, 16384, 16), (128, 32768, 16), (512, 4096, 16), (32, 2048, 16),
                                 (7, 0, 16), (1, 1 << 20, 16), (4, 100, 1), (2048, 40000, 16), (64, 1500, 16),
