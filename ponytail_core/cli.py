@@ -15,7 +15,7 @@ from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
 from .kv.capacity import count_parameters, device_capacity
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
-from .llm import GPU_BATCHED_TOKENS
+from .engine.token_budget import GPU_BATCHED_TOKENS, GPU_PREFILL_ONLY_BATCHED_TOKENS, token_budgets
 from .models.hub import check_hub_model, is_hub_id
 from .models.loader import default_checkpoint
 from .utils.units import parse_bytes
@@ -87,8 +87,12 @@ def _build_parser() -> argparse.ArgumentParser:
                              "and vLLM take it (default: the engine's default sizing, 0.9 less one step)")
     device.add_argument("--max-num-seqs", type=int, default=256,
                         help="the engine's max_num_seqs, which one step's activations depend on (default: 256)")
-    device.add_argument("--max-num-batched-tokens", type=int, default=GPU_BATCHED_TOKENS,
+    device.add_argument("--max-num-batched-tokens", type=int,
                         help=f"the engine's token budget per step (default: {GPU_BATCHED_TOKENS}, LLM()'s on CUDA)")
+    device.add_argument("--prefill-only-batched-tokens", type=int,
+                        help="the budget of a step without decode rows, which one step's activations are sized for "
+                             f"when larger (default: {GPU_PREFILL_ONLY_BATCHED_TOKENS} where --max-num-batched-tokens "
+                             "is left to its default, else the same: LLM()'s on CUDA)")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(run=_run_estimate)
     add_serve_parser(commands)
@@ -115,7 +119,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
             capacity = device_capacity(
                 config, model_config.get_text_config(), count_parameters(model_config),
                 parse_bytes(args.device_memory, "device_memory"), gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=token_budgets(
+                    "cuda", args.max_num_seqs, args.max_num_batched_tokens, args.prefill_only_batched_tokens).largest)
         estimate = estimate_from_config(config, gpu_memory=args.gpu_memory, device=capacity)
     else:
         missing = [flag for flag, name in _SHAPE_FLAGS.items() if shape[name] is None]
@@ -151,9 +156,10 @@ def _check_estimate_flags(args: argparse.Namespace) -> None:
         raise ConfigError(f"--gpu-memory {args.gpu_memory} and --device-memory {args.device_memory} were both "
                           "given; allowed: one (--gpu-memory: the KV memory itself; --device-memory: the GPU's "
                           "total, the KV pool sized as LLM() sizes it)")
-    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-num-batched-tokens",
-                                                                args.max_num_batched_tokens)):
-        if value < 1:
+    for flag, value in (("--max-num-seqs", args.max_num_seqs),
+                        ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                        ("--prefill-only-batched-tokens", args.prefill_only_batched_tokens)):
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} is not supported; allowed: an integer >= 1")
 
 

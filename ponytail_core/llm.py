@@ -16,6 +16,7 @@ from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
 from .engine.scheduler import check_policy
 from .engine.chunk_cost import context_cost
+from .engine.token_budget import token_budgets
 from .engine.stats import EngineStats
 from .models.loader import load_model, load_tokenizer
 from .runner.compile import can_compile
@@ -32,14 +33,6 @@ from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
-# A CPU step's time grows with its tokens (and, context_aware_chunks, their context): a long prompt in
-# chunks of this budget keeps the streams beside it within 2x of their usual pause (docs/engine.md),
-# where 2048 stalled them for seconds.
-CPU_BATCHED_TOKENS = 128
-# On a GPU a prefill step's time barely grows below a few thousand tokens (the weights are read once
-# per step either way), so a larger budget is more prompt tokens per weight read: vLLM's online
-# default for this class of device. docs/benchmarks.md measures it against 2,048.
-GPU_BATCHED_TOKENS = 8192
 POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
 
 
@@ -56,6 +49,10 @@ class LLM:
     and it has a `layers` list; a model object handed over stays eager unless True (compiling
     changes its layers in place). Inductor caches its kernels on disk (TORCHINDUCTOR_CACHE_DIR),
     so later starts skip most of the compile.
+    max_num_batched_tokens: the tokens a step holds while some sequence decodes (None: 8,192 on CUDA, 128 on
+    the CPU); prefill_only_batched_tokens: a step of prompt chunks only, which delays no stream's next token
+    (None: 16,384 on CUDA where max_num_batched_tokens is left to its default, else the same;
+    engine/token_budget.py).
     context_aware_chunks: a prefill chunk's share of max_num_batched_tokens counts its attention
     over cached context too (engine/chunk_cost.py), so the last chunks of a long prompt are
     smaller and no step beside running streams is much slower than the first; None: on for the
@@ -93,7 +90,8 @@ class LLM:
     def __init__(self, model: Any = None, *, tokenizer: Any = None, device: str = "auto", dtype: Any = None,
                  kv_cache_memory: int | str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_num_seqs: int = 256, max_model_len: int | None = None, max_num_batched_tokens: int | None = None,
-                 enable_prefix_caching: bool = True, cuda_graphs: bool | None = None,
+                 prefill_only_batched_tokens: int | None = None, enable_prefix_caching: bool = True,
+                 cuda_graphs: bool | None = None,
                  compile_model: bool | None = None, async_scheduling: bool | None = None,
                  kv_release_after_s: float = 30.0, gpu_memory_utilization: float | None = None,
                  context_aware_chunks: bool | None = None, keep_prefix_cache: bool = False,
@@ -116,12 +114,7 @@ class LLM:
         text_config = model.config.get_text_config()
         if max_model_len is None:
             max_model_len = int(getattr(text_config, "max_position_embeddings", 2048))
-        if max_num_batched_tokens is None:
-            budget = CPU_BATCHED_TOKENS if device.type == "cpu" else GPU_BATCHED_TOKENS
-            max_num_batched_tokens = max(budget, max_num_seqs)
-        if max_num_batched_tokens < max_num_seqs:
-            raise ConfigError(f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs="
-                              f"{max_num_seqs} so every running sequence can decode each step")
+        budgets = token_budgets(device.type, max_num_seqs, max_num_batched_tokens, prefill_only_batched_tokens)
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda"
         elif cuda_graphs and device.type != "cuda":
@@ -164,7 +157,7 @@ class LLM:
         if not isinstance(keep_prefix_cache, bool):
             raise ConfigError(f"keep_prefix_cache={keep_prefix_cache!r} is not supported; allowed: True or False")
         # The pool's growth leaves one step's activations free on CUDA (another tenant may hold the rest).
-        headroom = (step_headroom(text_config, max_num_batched_tokens, max_num_seqs,
+        headroom = (step_headroom(text_config, budgets.largest, max_num_seqs,
                                   next(model.parameters()).element_size()) if device.type == "cuda" else 0)
         memory = kv_budget(kv_cache_memory, device, gpu_memory_utilization, headroom)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
@@ -178,7 +171,8 @@ class LLM:
                              enable_prefix_caching=enable_prefix_caching,
                              keep_prefixes=keep_prefix_cache and enable_prefix_caching)
         self.engine = LLMEngine(model, tokenizer, cache, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                                max_num_batched_tokens=budgets.step, max_model_len=max_model_len,
+                                prefill_only_batched_tokens=budgets.prefill_only_step,
                                 cuda_graphs=cuda_graphs, compile_model=compile_model, async_scheduling=async_scheduling,
                                 context_cost=context_cost(text_config) if context_aware_chunks else 0.0,
                                 prefill_delay_factor=float(prefill_delay_factor), fuse_projections=fuse_projections,

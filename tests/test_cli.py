@@ -159,7 +159,8 @@ def test_device_memory_sizes_the_pool_as_the_engine_does(capsys, llama7b_dir):
     assert (code, err) == (0, "")
     device = json.loads(out)["device"]
     weights = 6_738_415_616 * 2  # bfloat16, as LLM() loads on CUDA, whatever the config says
-    step = (64 << 20) + 8192 * (6 * 4096 + 3 * 11008) * 2 + 256 * 32000 * 4  # activations, fp32 logits
+    # activations of the largest step (16,384 tokens: prompt chunks only), fp32 logits
+    step = (64 << 20) + 16384 * (6 * 4096 + 3 * 11008) * 2 + 256 * 32000 * 4
     budget = int(0.9 * 80 * GIB) - weights - step
     assert (device["num_parameters"], device["weight_bytes"], device["step_headroom"]) == (6_738_415_616, weights, step)
     assert device["kv_budget"] == budget and json.loads(out)["gpu_memory"] == budget
@@ -194,6 +195,23 @@ def test_device_memory_matches_the_engines_own_sizing(monkeypatch, capsys, llama
     headroom = step_headroom(LlamaConfig.from_pretrained(llama7b_dir), 2048, 64, 2)
     assert device["step_headroom"] == headroom
     assert device["kv_budget"] == kv_budget(None, torch.device("cuda", 0), None, headroom=headroom)
+
+
+def test_the_estimate_leaves_room_for_the_larger_step(capsys, llama7b_dir):
+    """`ponytail estimate --device-memory` sizes one step's activations as LLM() does on CUDA: for the
+    prefill-only budget where it is the larger."""
+    from ponytail.kv.budget import step_headroom
+
+    config = LlamaConfig.from_pretrained(llama7b_dir)
+    for flags, tokens in (((), 16384), (("--max-num-batched-tokens", "2048"), 2048),
+                          (("--prefill-only-batched-tokens", "32768"), 32768)):
+        _, out, _ = run(capsys, "estimate", "--model", str(llama7b_dir), "--device-memory", "80GiB", *flags, "--json")
+        device = json.loads(out)["device"]
+        assert device["step_headroom"] == step_headroom(config, tokens, 256, 2), flags
+    code, _, err = run(capsys, "estimate", "--model", str(llama7b_dir), "--device-memory", "80GiB",
+                       "--max-num-batched-tokens", "8192", "--prefill-only-batched-tokens", "4096")
+    assert code == 2
+    assert "prefill_only_batched_tokens=4096 must be >= max_num_batched_tokens=8192" in err
 
 
 def test_parameters_are_counted_as_the_model_loads_them(tmp_path):
@@ -246,7 +264,7 @@ def test_estimate_reads_a_hub_id_from_the_hub_cache(tmp_path, llama7b_dir):
     (["--model", "{dir}", "--device-memory", "80GiB", "--gpu-memory-utilization", "1.5"],
      "gpu_memory_utilization=1.5 is not supported; allowed: a share of the device's total memory in (0, 1]"),
     (["--model", "{dir}", "--device-memory", "15GiB"],
-     "device_memory=16.1 GB leaves no KV memory for this model: its weights take 13.5 GB and one step 1.0 GB; "
+     "device_memory=16.1 GB leaves no KV memory for this model: its weights take 13.5 GB and one step 2.0 GB; "
      "allowed: a larger device"),
     (["--model", "{dir}", "--device-memory", "lots"], "device_memory='lots' is not a byte size"),
     (["--model", "{dir}", "--device-memory", "80GiB", "--max-num-seqs", "0"],

@@ -78,6 +78,7 @@ def test_a_prompt_waits_for_the_last_prefill_steps_time_while_others_decode(tiny
 def test_a_step_that_prefills_anyway_takes_waiting_prompts_at_once(tiny_model):
     engine, clock = engine_with_clock(tiny_model, 1.0)
     engine.scheduler.max_num_batched_tokens = 16  # a's 40-token prompt takes three steps
+    engine.scheduler.prefill_only_batched_tokens = 16
     engine.scheduler.context_cost = 0.0  # every token counts one (the CPU's default counts context too)
     add(engine, clock, "a", prompt_len=40)
     assert step_at(engine, clock, 0.0) == [("a", 16)]

@@ -72,16 +72,17 @@ class _Launched:
 class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
-    Outputs are the same as without it. `cache` is the KV pool (LLM builds it with its policy),
-    context_cost and prefill_delay_factor go to the scheduler (chunk_cost.py; scheduler.py),
-    runner_options to the model runner (fuse_projections, prefill_varlen, column_major_weights)."""
+    Outputs are the same as without it. `cache` is the KV pool (LLM builds it with its policy), context_cost,
+    prefill_delay_factor and prefill_only_batched_tokens go to the scheduler (chunk_cost.py; scheduler.py;
+    token_budget.py), runner_options to the model runner (fuse_projections, prefill_varlen, column_major_weights)."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
     def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
                  compile_model: bool = False, async_scheduling: bool = False, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0, scheduling_policy: str = "fcfs", **runner_options):
+                 prefill_delay_factor: float = 0.0, scheduling_policy: str = "fcfs",
+                 prefill_only_batched_tokens: int | None = None, **runner_options):
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = cache
@@ -89,7 +90,7 @@ class LLMEngine:
                                   cuda_graphs=cuda_graphs, compile_model=compile_model, **runner_options)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
                                    prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead,
-                                   policy=scheduling_policy)
+                                   policy=scheduling_policy, prefill_only_batched_tokens=prefill_only_batched_tokens)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:

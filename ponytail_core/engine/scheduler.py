@@ -65,7 +65,8 @@ class Scheduler:
     def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
                  prefill_delay_factor: float = 0.0, step_overhead: StepOverhead | None = None,
-                 clock: Callable[[], float] = time.monotonic, policy: str = "fcfs"):
+                 clock: Callable[[], float] = time.monotonic, policy: str = "fcfs",
+                 prefill_only_batched_tokens: int | None = None):
         check_policy(policy)
         self.policy = policy
         self.cache = cache
@@ -77,6 +78,8 @@ class Scheduler:
         self.context_cost = context_cost  # chunk_cost.context_cost, or 0: every token counts one
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A step where nobody decodes (engine/token_budget.py); None: the same budget as any step.
+        self.prefill_only_batched_tokens = prefill_only_batched_tokens or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * cache.max_blocks)
         self.waiting: deque[Request] = deque()
@@ -160,7 +163,7 @@ class Scheduler:
         if self._prefill_scheduled_at is not None:
             self.prefill_step_s = now - self._prefill_scheduled_at
             self._prefill_scheduled_at = None
-        budget = self.max_num_batched_tokens
+        budget = self._step_budget(step_in_flight)
         chunks: list[ScheduledChunk] = []
         preempted = prefilling = False
         i = 0
@@ -188,6 +191,18 @@ class Scheduler:
         if self.prefill_delay_factor and (prefilling or any(c.num_tokens > 1 for c in chunks[running:])):
             self._prefill_scheduled_at = now
         return SchedulerOutput(chunks=chunks)
+
+    def _step_budget(self, step_in_flight: bool) -> int:
+        """max_num_batched_tokens where a running sequence decodes this step, else (only prompt chunks:
+        no stream's next token waits on the step) prefill_only_batched_tokens. A request the step in
+        flight finishes is not scheduled, so it decodes nothing."""
+        if self.prefill_only_batched_tokens == self.max_num_batched_tokens:
+            return self.max_num_batched_tokens
+        for request in self.running:  # decoders come first (admission order): this stops early when any run
+            if request.num_tokens - request.num_computed_tokens <= 1 and not (step_in_flight
+                                                                              and request.reached_max_tokens):
+                return self.max_num_batched_tokens
+        return self.prefill_only_batched_tokens
 
     def _hold_prompts(self, chunks: list[ScheduledChunk], prefilling: bool, now: float, budget: int) -> bool:
         """Whether waiting prompts sit out this step: it is all decode rows (a graph step), the
