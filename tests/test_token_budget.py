@@ -3,8 +3,7 @@ decodes, prefill_only_batched_tokens for a step of prompt chunks only; their def
 the checks of what a user sets, and what the scheduler does with them (engine/scheduler.py)."""
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from scheduled_steps import add, engine_on, own_prompt, run_steps, tiny_llama
 
 import ponytail
 from ponytail import ConfigError, SamplingParams
@@ -40,50 +39,15 @@ def test_bad_budgets_are_refused_by_name(step, prefill_only, message):
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024)
-    return LlamaForCausalLM(config).eval()
-
-
-def engine(model, **options):
-    llm = ponytail.LLM(model, kv_cache_memory="16MiB", max_num_seqs=4, max_model_len=512, **options)
-    llm.engine.scheduler.context_cost = 0.0  # every token counts one (the CPU's default counts context too)
-    return llm.engine
-
-
-def add(engine, name: str, prompt_len: int, max_tokens: int):
-    first = 100 * (ord(name) - ord("a")) + 1  # prompts share no block: no prefix-cache hits
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    engine.add_request(list(range(first, first + prompt_len)), params, request_id=name)
-
-
-def steps(engine) -> list[list[tuple[str, int]]]:
-    """Every step until the engine is idle: what the scheduler put in it, (request id, tokens)."""
-    seen = []
-    schedule = engine.scheduler.schedule
-
-    def recording(*args, **kwargs):
-        out = schedule(*args, **kwargs)
-        if out is not None and out.chunks:
-            seen.append([(c.request.request_id, c.num_tokens) for c in out.chunks])
-        return out
-
-    engine.scheduler.schedule = recording
-    try:
-        while engine.has_unfinished():
-            engine.step()
-    finally:
-        engine.scheduler.schedule = schedule
-    return seen
+    return tiny_llama()
 
 
 def test_a_step_without_decode_rows_takes_the_larger_budget(model):
-    e = engine(model, max_num_batched_tokens=32, prefill_only_batched_tokens=64)
+    e = engine_on(model, max_num_batched_tokens=32, prefill_only_batched_tokens=64)
     assert (e.scheduler.max_num_batched_tokens, e.scheduler.prefill_only_batched_tokens) == (32, 64)
     for name in "abc":
-        add(e, name, 40, 3)
-    seen = steps(e)
+        add(e, name, own_prompt(name, 40), 3)
+    seen = run_steps(e)
     assert seen[0] == [("a", 40), ("b", 24)]  # nothing decodes: 64 prompt tokens
     assert seen[1] == [("a", 1), ("b", 16), ("c", 15)]  # a decodes: back to 32
 
@@ -91,15 +55,15 @@ def test_a_step_without_decode_rows_takes_the_larger_budget(model):
 def test_with_a_step_in_flight_a_request_it_finishes_does_not_count_as_decoding(model):
     """Prompts with one output token (prompt scoring): the step in flight samples each one's last
     token, so the next step is prompt chunks only and takes the larger budget."""
-    e = engine(model, max_num_batched_tokens=32, prefill_only_batched_tokens=64, async_scheduling=True)
+    e = engine_on(model, max_num_batched_tokens=32, prefill_only_batched_tokens=64, async_scheduling=True)
     for name in "abcd":
-        add(e, name, 30, 1)
-    seen = steps(e)
+        add(e, name, own_prompt(name, 30), 1)
+    seen = run_steps(e)
     assert [sum(n for _, n in step) for step in seen] == [64, 56]
 
 
 def test_the_cpu_default_is_one_budget_and_outputs_do_not_depend_on_it(model):
-    e = engine(model)
+    e = engine_on(model)
     assert e.scheduler.max_num_batched_tokens == e.scheduler.prefill_only_batched_tokens == 128
     prompts = [list(range(3, 3 + n)) for n in (50, 90, 17, 130)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -39,6 +39,7 @@ from ..runner.inputs import ScheduledChunk
 from ..runner.step_overhead import StepOverhead
 from .chunk_cost import chunk_cost, chunk_tokens
 from .request import Request, RequestStatus
+from .shared_prefill import PendingPrefixes
 from .stats import BlockPromises
 from ..utils.arith import cdiv
 
@@ -245,6 +246,7 @@ class Scheduler:
 
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         seats = self._seats_taken()
+        pending: PendingPrefixes | None = None  # built at the first prompt that may share a prefix (shared_prefill.py)
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if seats + request.seqs_to_come > self.max_num_seqs:
@@ -262,6 +264,13 @@ class Scheduler:
             if self.running and self.cache.available_blocks < self.watermark_blocks:
                 self.cache.free(request.request_id)  # keep headroom for running requests to decode
                 break
+            if self.cache.allocator.enable_prefix_caching and request.prompt_logits_from is None:  # it uses the cache
+                if pending is None:
+                    pending = PendingPrefixes(self.cache, ((c.request.request_id, c.request.num_tokens)
+                                                           for c in chunks if c.num_tokens > 1))
+                if pending.holds_back(request.request_id, len(tokens), result.num_cached_tokens):
+                    self.cache.free(request.request_id)  # the next step finds that prefix cached
+                    break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = result.num_cached_tokens

@@ -156,6 +156,12 @@ class PagedKVCache:
     def has_seq(self, seq_id) -> bool:
         return self.allocator.has_seq(seq_id)
 
+    def block_hashes(self, seq_id, start: int, stop: int) -> list[int | None]:
+        """Prefix-cache hashes of the sequence's blocks start .. stop - 1: equal at index i, two
+        sequences hold the same tokens up to that block's end (None: not full, or no prefix caching)."""
+        blocks = self.allocator.blocks
+        return [blocks[b].hash for b in self.allocator.block_table(seq_id)[start:stop]]
+
     # ------------------------------------------------------------------ pool
     @property
     def num_chunks(self) -> int:
