@@ -442,3 +442,19 @@ def test_probe_grammar_backends_masks_every_valid_token(tmp_path):
     report = json.loads(out.read_text())
     for backend in ("xgrammar", "llguidance"):
         assert all(report[backend][case]["terminated"] for case in ("nested", "tool_args", "json_object"))
+
+
+def test_count_step_work_adds_up_and_sees_the_shared_prefix_computed_once():
+    """count_step_work.py on the small prefix workload: the prompt tokens computed plus those found
+    cached are the prompts' tokens (no preemption here), and the system prompt is computed once."""
+    import dataclasses
+
+    counting, workloads = benchmark_module("count_step_work"), benchmark_module("peer_workloads")
+    workload = workloads.build("prefix", counting.VOCAB, counting.MAX_LEN, small=True)
+    workload = dataclasses.replace(workload, output_lens=[2] * len(workload.prompts))
+    result = counting.count(counting.tiny_model(), workload, 4096, {})
+    assert result["preemptions"] == 0
+    assert result["prompt_tokens_computed"] + result["cached_prompt_tokens"] == workload.prompt_tokens
+    system = workloads.SYSTEM_PROMPT // workloads.SMALL_SCALE
+    own = sum(len(p) - system for p in workload.prompts)
+    assert result["prompt_tokens_computed"] == system + own  # the others waited a step and found it cached

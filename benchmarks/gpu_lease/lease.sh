@@ -15,6 +15,10 @@
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
 set -uo pipefail
 RES=/tmp/res; mkdir -p "$RES"; rm -f "$RES"/*.done
+# Every device call copies the working tree in again and drops what it does not carry (__pycache__
+# included), which pulled modules from under pytest's collection in lease 60: the steps run from a
+# copy of their own, made now. /tmp/pkg links into it.
+TREE=/tmp/lease-tree; rm -rf "$TREE" && cp -a "$PWD" "$TREE" && cd "$TREE" || exit 1
 STEPS=${STEPS:-"syncs suite bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--workload all --rounds 2"}
 PEERS=${PEERS:-"ponytail,vllm"}
