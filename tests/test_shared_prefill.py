@@ -31,6 +31,17 @@ def test_prompts_on_one_uncached_prefix_wait_a_step_and_find_it_cached(model):
     assert [e.requests[n].metrics.num_cached_prompt_tokens for n in "bc"] == [64, 64]
 
 
+def test_a_held_prompt_keeps_its_place_and_prompts_behind_it_that_share_nothing_go_in(model):
+    e = engine_on(model, max_num_batched_tokens=256)
+    add(e, "a", asking("a"), 2)
+    add(e, "b", asking("b"), 2)
+    add(e, "z", list(range(300, 340)), 2)
+    add(e, "c", asking("c"), 2)
+    seen = run_steps(e)
+    assert seen[0] == [("a", 72), ("z", 40)]
+    assert seen[1] == [("a", 1), ("z", 1), ("b", 8), ("c", 8)]  # b and c in their order
+
+
 def test_a_short_common_opening_holds_nobody_back(model):
     """One shared block against 40 own tokens each: under half of what they compute."""
     e = engine_on(model, max_num_batched_tokens=256)

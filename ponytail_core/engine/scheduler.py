@@ -247,6 +247,7 @@ class Scheduler:
     def _admit(self, chunks: list[ScheduledChunk], budget: int) -> None:
         seats = self._seats_taken()
         pending: PendingPrefixes | None = None  # built at the first prompt that may share a prefix (shared_prefill.py)
+        held: list[Request] = []  # prompts waiting a step for a prefix this one computes: they keep their place
         while self.waiting and budget > 0:
             request = self.waiting[0]
             if seats + request.seqs_to_come > self.max_num_seqs:
@@ -270,7 +271,8 @@ class Scheduler:
                                                            for c in chunks if c.num_tokens > 1))
                 if pending.holds_back(request.request_id, len(tokens), result.num_cached_tokens):
                     self.cache.free(request.request_id)  # the next step finds that prefix cached
-                    break
+                    held.append(self.waiting.popleft())
+                    continue
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = result.num_cached_tokens
@@ -282,6 +284,7 @@ class Scheduler:
             chunk, used = self._next_chunk(request, len(tokens) - request.num_computed_tokens, budget)
             chunks.append(chunk)
             budget -= used
+        self.waiting.extendleft(reversed(held))
 
     def _next_chunk(self, request: Request, want: int, budget: int) -> tuple[ScheduledChunk, int]:
         """The request's next chunk within `budget` (> 0) and the budget it takes: a decode row one

@@ -4,10 +4,11 @@ A prompt's full blocks reach the prefix cache only once their K/V is written (co
 is launched), so prompts admitted into the same step with a common uncached prefix (a burst of
 requests on one system prompt or one document, or a prompt whose shared part another prompt is still
 prefilling in chunks) would each compute it, and each hold its own copy of that KV until it ends.
-Held back one step instead, a prompt finds the prefix cached and computes only its own tokens: the
-step budget and the blocks go to work nobody else does (SGLang's scheduler holds such prompts back
-too). A prompt is held only when the prefix it shares is at least half of what it has left to
-compute, so a short common opening (a chat template's first block) never holds a prompt back.
+Held back one step instead (keeping its place in the queue, while prompts behind it that share
+nothing are admitted), a prompt finds the prefix cached and computes only its own tokens: the step
+budget and the blocks go to work nobody else does (SGLang's scheduler holds such prompts back too).
+A prompt is held only when the prefix it shares is at least half of what it has left to compute, so
+a short common opening (a chat template's first block) never holds a prompt back.
 """
 
 from __future__ import annotations
