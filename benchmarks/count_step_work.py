@@ -1,12 +1,13 @@
 """What the scheduler does with a GPU's pool and budgets, counted on the CPU (no timing).
 
-    python benchmarks/count_step_work.py --workload prefix --blocks 7292 \
+    python benchmarks/count_step_work.py --workload prefix --requests 64 --blocks 1823 \
         --settings "prefill_only_batched_tokens=16384|prefill_only_batched_tokens=8192"
 
 Runs one of bench_engine's seeded workloads (peer_workloads.py) through `LLM()` on a 2-layer random
 Llama with the vocabulary and context of the 7B-shaped benchmark checkpoint, a KV pool of --blocks
-blocks (what `ponytail estimate --device-memory` gives the 7B on the card: 7,292 on an 80 GB H100)
-and a GPU's step budgets (8,192 tokens while anything decodes; async scheduling, no prefill delay),
+blocks (what `ponytail estimate --device-memory` gives the 7B on the card: 7,292 on an 80 GB H100;
+a quarter of it for a quarter of the requests, as above: a CPU forward pass over 256 decode rows of
+2k-token contexts takes long) and a GPU's step budgets (8,192 tokens while anything decodes; async scheduling, no prefill delay),
 once per --settings entry (LLM arguments, `;`-separated; `|` between entries). It counts what a
 device would have to do: steps, prompt tokens computed against those the prompts hold, preemptions,
 the pool's peak. The forward pass is a tiny model's, so only the counts mean anything.
@@ -15,6 +16,7 @@ the pool's peak. The forward pass is a tiny model's, so only the counts mean any
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 import torch
@@ -76,11 +78,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default="prefix", choices=peer_workloads.WORKLOADS)
     parser.add_argument("--blocks", type=int, default=7292, help="the KV pool's ceiling in blocks of 16 tokens")
+    parser.add_argument("--requests", type=int, help="only the workload's first N requests (a CPU run of all "
+                        "256 takes long: scale --blocks with them)")
     parser.add_argument("--settings", default="", help="LLM arguments per run: a=1;b=2|a=3 (default: one run)")
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args()
     model = tiny_model()
     workload = peer_workloads.build(args.workload, VOCAB, MAX_LEN)
+    if args.requests:
+        workload = dataclasses.replace(workload, prompts=workload.prompts[:args.requests],
+                                       output_lens=workload.output_lens[:args.requests])
     results = [count(model, workload, args.blocks, parse_settings(entry)) for entry in args.settings.split("|")]
     for result in results:
         print(json.dumps(result))
