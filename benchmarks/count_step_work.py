@@ -1,16 +1,18 @@
 """What the scheduler does with a GPU's pool and budgets, counted on the CPU (no timing).
 
-    python benchmarks/count_step_work.py --workload prefix --requests 64 --blocks 1823 \
+    python benchmarks/count_step_work.py --workload prefix --requests 24 --blocks 813 \
         --settings "prefill_only_batched_tokens=16384|prefill_only_batched_tokens=8192"
 
 Runs one of bench_engine's seeded workloads (peer_workloads.py) through `LLM()` on a 2-layer random
 Llama with the vocabulary and context of the 7B-shaped benchmark checkpoint, a KV pool of --blocks
-blocks (what `ponytail estimate --device-memory` gives the 7B on the card: 7,292 on an 80 GB H100;
-a quarter of it for a quarter of the requests, as above: a CPU forward pass over 256 decode rows of
-2k-token contexts takes long) and a GPU's step budgets (8,192 tokens while anything decodes; async scheduling, no prefill delay),
-once per --settings entry (LLM arguments, `;`-separated; `|` between entries). It counts what a
-device would have to do: steps, prompt tokens computed against those the prompts hold, preemptions,
-the pool's peak. The forward pass is a tiny model's, so only the counts mean anything.
+blocks and a GPU's step budgets (8,192 tokens while anything decodes; async scheduling, no prefill
+delay), once per --settings entry (LLM arguments, `;`-separated; `|` between entries). For all of a
+workload, --blocks is what `ponytail estimate --device-memory` gives the 7B on the card (7,292 on an
+80 GB H100); a CPU forward pass over 256 decode rows of 2k-token contexts takes long, so --requests
+takes the first N and --blocks scales with what they need (above: 813 blocks, 1.12x the 24 prefix
+requests' need, as 7,292 is for all 256). It counts what a device would have to do: steps, prompt
+tokens computed against those the prompts hold, preemptions, the pool's peak. The forward pass is a
+tiny model's, so only the counts mean anything.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ponytail
 from ponytail import SamplingParams
+from ponytail.kv.config import CacheConfig
 
 import peer_workloads
+from profile_steps import prompt_tokens
 
 VOCAB, MAX_LEN = 49152, 8192  # random_checkpoint.py's 7B shape keeps SmolLM2's vocabulary
 
@@ -52,8 +56,7 @@ def count(model, workload: peer_workloads.PeerWorkload, blocks: int, settings: d
     options = dict(max_num_seqs=256, max_num_batched_tokens=8192, context_aware_chunks=False,
                    async_scheduling=True, prefill_delay_factor=0.0, max_model_len=MAX_LEN)
     options.update(settings)
-    block_bytes = 2 * model.config.num_hidden_layers * model.config.num_key_value_heads \
-        * (model.config.hidden_size // model.config.num_attention_heads) * 4 * 16  # float32 on the CPU
+    block_bytes = CacheConfig.from_model(model).block_bytes
     llm = ponytail.LLM(model, kv_cache_memory=blocks * block_bytes, **options)
     runner = llm.engine.runner
     execute, totals = runner.execute, {"steps": 0, "prompt_tokens_computed": 0, "peak_blocks_used": 0}
@@ -62,8 +65,7 @@ def count(model, workload: peer_workloads.PeerWorkload, blocks: int, settings: d
     def counting(chunks, *args, **kwargs):
         totals["steps"] += 1
         totals["peak_blocks_used"] = max(totals["peak_blocks_used"], allocator.num_used)
-        totals["prompt_tokens_computed"] += sum(min(c.num_tokens, max(0, len(c.request.prompt_token_ids) - c.start))
-                                                for c in chunks)
+        totals["prompt_tokens_computed"] += prompt_tokens(chunks)
         return execute(chunks, *args, **kwargs)
 
     runner.execute = counting

@@ -44,6 +44,11 @@ def kind_of_step(decode: int, prompt: int) -> str:
     return f"decode, {low}+ rows"
 
 
+def prompt_tokens(chunks) -> int:
+    """The prompt tokens a step's chunks compute (a chunk past its prompt is a decode row)."""
+    return sum(min(c.num_tokens, max(0, len(c.request.prompt_token_ids) - c.start)) for c in chunks)
+
+
 class Timeline:
     """What each forward pass the runner launches holds, and how long it runs. With async
     scheduling a launch waits for the step before the previous one to be read back, so the time
@@ -56,7 +61,7 @@ class Timeline:
         runner.execute = self._execute
 
     def _execute(self, chunks, *args, **kwargs):
-        prompt = sum(min(c.num_tokens, max(0, len(c.request.prompt_token_ids) - c.start)) for c in chunks)
+        prompt = prompt_tokens(chunks)
         decode = sum(1 for c in chunks if c.start >= len(c.request.prompt_token_ids))
         self.launches.append((time.perf_counter(), decode, prompt))
         return self.execute(chunks, *args, **kwargs)
