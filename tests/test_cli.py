@@ -269,6 +269,8 @@ def test_estimate_reads_a_hub_id_from_the_hub_cache(tmp_path, llama7b_dir):
     (["--model", "{dir}", "--device-memory", "lots"], "device_memory='lots' is not a byte size"),
     (["--model", "{dir}", "--device-memory", "80GiB", "--max-num-seqs", "0"],
      "--max-num-seqs 0 is not supported; allowed: an integer >= 1"),
+    (["--model", "{dir}", "--device-memory", "80GiB", "--prefill-only-batched-tokens", "0"],
+     "--prefill-only-batched-tokens 0 is not supported; allowed: an integer >= 1"),
     (["--model", "{dir}", "--revision", "v2"], "--revision v2 names a version of a hub id, but --model is '{dir}'; "
                                               "allowed: --revision with --model ORG/NAME"),
 ])
