@@ -221,6 +221,7 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
     result = {"seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outputs),
               "prompt_tokens": work.prompt_tokens, "ttfts": sorted(ttfts),
               "kv_pool_peak_bytes": llm.engine.cache.peak_allocated_bytes, "kv_all_requests_need_bytes": need,
+              "kv_pool_ceiling_bytes": llm.engine.cache.max_blocks * config.block_bytes,
               "preemptions": llm.stats().num_preemptions}
     del llm, outputs
     return result
@@ -241,6 +242,21 @@ def rates(result: dict) -> dict:
     return {**result, "output_tokens_per_s": result["output_tokens"] / seconds,
             "prompt_tokens_per_s": result["prompt_tokens"] / seconds,
             "ttft_p50": percentile(ttfts, 0.5), "ttft_p99": percentile(ttfts, 0.99)}
+
+
+def round_line(peer: str, work, result: dict) -> str:
+    """One round as it lands, so that a run stopped early still shows what it measured."""
+    line = f"{peer} {work.name}: {result[work.metric + '_tokens'] / result['seconds']:,.1f} {work.metric} tokens/s"
+    if "kv_pool_ceiling_bytes" in result:  # Ponytail's pool; vLLM reserves its own up front
+        line += (f" (KV pool peak {result['kv_pool_peak_bytes'] / 1e9:.2f} of {result['kv_pool_ceiling_bytes'] / 1e9:.2f}"
+                 f" GB, {result['preemptions']} preemptions)")
+    return line
+
+
+def save_report(path: str | None, report: dict) -> None:
+    """The report so far: written after every workload, so that a run stopped early keeps its rounds."""
+    if path:
+        Path(path).write_text(json.dumps(report, indent=2))
 
 
 def median_run(runs: list[dict], metric: str) -> dict:
@@ -370,8 +386,12 @@ def run(args, peers: list[str]) -> int:
             return 1
 
     if vllm is not None:
+        for w in workloads:
+            for r in (r for r in vllm["results"] if r["name"] == w.name):
+                print(round_line("vllm", w, r), flush=True)
         report["results"]["vllm"] = {w.name: median_run([rates(r) for r in vllm["results"] if r["name"] == w.name],
                                                         w.metric) for w in workloads}
+        save_report(args.json, report)
     for peer in ours:
         llm_args = llm_args_for(peer, model)
         report["results"][peer] = {}
@@ -380,8 +400,9 @@ def run(args, peers: list[str]) -> int:
             for _ in range(rounds):
                 with peer_launch(peer):
                     runs.append(rates(run_ponytail(model, tokenizer, w, args.kv_memory, warmup, llm_args)))
-                print(f"{peer} {w.name}: {runs[-1][f'{w.metric}_tokens_per_s']:,.1f} {w.metric} tokens/s", flush=True)
+                print(round_line(peer, w, runs[-1]), flush=True)
             report["results"][peer][w.name] = median_run(runs, w.metric)
+            save_report(args.json, report)
     if vllm is not None and args.profile:
         report["profiles"]["vllm"] = vllm.get("profiles", {})
     for peer in ours:
@@ -391,8 +412,7 @@ def run(args, peers: list[str]) -> int:
             report["profiles"].setdefault(peer, {})[w.name] = profile
     print_table(report, workloads)
     print_profiles(report["profiles"], args.profile)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
+    save_report(args.json, report)
     return 0
 
 
@@ -432,7 +452,8 @@ def print_table(report: dict, workloads) -> None:
     print_rounds(console, report, workloads)
     for engine in ours:
         for name, r in report["results"][engine].items():
-            console.print(f"{engine} {name}: KV pool peak {r['kv_pool_peak_bytes'] / 1e9:.2f} GB (all requests at once "
+            console.print(f"{engine} {name}: KV pool peak {r['kv_pool_peak_bytes'] / 1e9:.2f} GB of a "
+                          f"{r['kv_pool_ceiling_bytes'] / 1e9:.2f} GB ceiling (all requests at once "
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import shutil
 import statistics
 import subprocess
@@ -294,6 +295,21 @@ def test_bench_router_p99_ratio_interval_separates_real_gaps_from_one_slow_reque
     assert 1.0 < lo <= 2.0 <= hi  # twice as slow everywhere: the interval excludes 1
     assert ratio_interval(slower, steady, q=0.99, seed=1) == (lo, hi)  # seeded
     assert ratio_interval([], base, q=0.99) is None
+
+
+def test_side_by_side_prints_each_round_with_its_pool_as_it_lands(tmp_path):
+    """A lease may end mid-run: each round's line carries the pool's peak, ceiling and preemptions,
+    and the JSON holds every workload finished so far (written after each)."""
+    out = tmp_path / "peers.json"
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small", "--workload",
+                             "prefill", "--peers", "ponytail", "--check-tokens", "0", "--json", str(out)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if line.startswith("ponytail prefill: ")]
+    assert re.fullmatch(r"ponytail prefill: [\d,]+\.\d prompt tokens/s \(KV pool peak \d+\.\d\d of \d+\.\d\d GB, "
+                        r"0 preemptions\)", lines[0]), lines
+    ours = json.loads(out.read_text())["results"]["ponytail"]["prefill"]
+    assert 0 < ours["kv_pool_peak_bytes"] <= ours["kv_pool_ceiling_bytes"]
 
 
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
