@@ -148,10 +148,12 @@ def ponytail_start(model_arg: str, first_prompt: list[int], dtype) -> tuple[dict
     sync()
     first = time.perf_counter()
     model, tokenizer = llm.engine.model, llm.engine.tokenizer
+    ceiling = llm.engine.cache.max_blocks * llm.engine.cache.config.block_bytes  # a fresh process's: a user's
     restore_model(model)  # LLM compiled and fused it in place; each peer decides for itself
     del llm
     gc.collect()
-    return {"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0}, model, tokenizer
+    return ({"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0, "kv_pool_ceiling_bytes": ceiling},
+            model, tokenizer)
 
 
 def check_ponytail(model, tokenizer, prompts, steps, llm_args: dict):
@@ -188,13 +190,29 @@ def verdict_line(peer: str, verdict) -> str:
     return line
 
 
+def device_memory(model) -> dict | None:
+    """What the device holds now, in the terms the KV budget subtracts (kv/budget.py): the weights,
+    torch's other live tensors, its cached blocks (counted as free) and what lies outside torch (the
+    CUDA context, libraries' modules and workspaces, other processes). None off CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    free, total = torch.cuda.mem_get_info()
+    allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"total": total, "free": free, "weights": weights, "other_tensors": allocated - weights,
+            "torch_cached": reserved - allocated, "outside_torch": total - free - reserved}
+
+
 @contextlib.contextmanager
-def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict):
+def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict, memory_before: dict | None = None):
     """A fresh engine with Ponytail's defaults but llm_args, after a short unrelated request; the
-    model is given back as loaded after it."""
+    model is given back as loaded after it. memory_before: filled with device_memory() as the engine
+    found it."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if memory_before is not None:
+        memory_before.update(device_memory(model) or {})
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, **llm_args)
     try:
         llm.generate([warmup], greedy(2))
@@ -206,7 +224,8 @@ def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict):
 
 def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> dict:
     """One workload on a fresh engine (see ponytail_engine), timed."""
-    with ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args) as llm:
+    memory_before = {}
+    with ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args, memory_before) as llm:
         t0 = time.perf_counter()
         outputs = llm.generate(work.prompts, [greedy(n) for n in work.output_lens])
         sync()
@@ -222,7 +241,7 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
               "prompt_tokens": work.prompt_tokens, "ttfts": sorted(ttfts),
               "kv_pool_peak_bytes": llm.engine.cache.peak_allocated_bytes, "kv_all_requests_need_bytes": need,
               "kv_pool_ceiling_bytes": llm.engine.cache.max_blocks * config.block_bytes,
-              "preemptions": llm.stats().num_preemptions}
+              "preemptions": llm.stats().num_preemptions, "device_memory_before": memory_before or None}
     del llm, outputs
     return result
 
@@ -449,6 +468,9 @@ def print_table(report: dict, workloads) -> None:
                       f"first token {v['process_to_first_token_s']:.1f} s; reserved KV "
                       f"{kv.get('reserved_gib_logged')} GiB ({kv.get('tokens_logged')} tokens, "
                       f"{kv.get('num_gpu_blocks')} blocks of {kv.get('block_size')})")
+    if "ponytail" in start:
+        console.print(f"ponytail: LLM(dir) in a fresh process set its KV pool's ceiling at "
+                      f"{start['ponytail']['kv_pool_ceiling_bytes'] / 1e9:.2f} GB")
     print_rounds(console, report, workloads)
     for engine in ours:
         for name, r in report["results"][engine].items():
@@ -456,6 +478,11 @@ def print_table(report: dict, workloads) -> None:
                           f"{r['kv_pool_ceiling_bytes'] / 1e9:.2f} GB ceiling (all requests at once "
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
+            if r.get("device_memory_before"):
+                m = {k: v / 1e9 for k, v in r["device_memory_before"].items()}
+                console.print(f"  device before its engine: {m['total']:.2f} GB, weights {m['weights']:.2f}, other "
+                              f"tensors {m['other_tensors']:.2f}, torch's cache {m['torch_cached']:.2f} (counted "
+                              f"free), outside torch {m['outside_torch']:.2f}, free {m['free']:.2f}")
 
 
 def print_rounds(console, report: dict, workloads) -> None:

@@ -312,6 +312,18 @@ def test_side_by_side_prints_each_round_with_its_pool_as_it_lands(tmp_path):
     assert 0 < ours["kv_pool_peak_bytes"] <= ours["kv_pool_ceiling_bytes"]
 
 
+def test_device_memory_splits_what_the_kv_budget_subtracts(monkeypatch):
+    peer_bench = benchmark_module("peer_bench")
+    model = torch.nn.Linear(4, 8, bias=False)  # 32 fp32 parameters: 128 bytes of weights
+    assert peer_bench.device_memory(model) is None or torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (600, 2000))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1128)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 1300)
+    assert peer_bench.device_memory(model) == {"total": 2000, "free": 600, "weights": 128, "other_tensors": 1000,
+                                               "torch_cached": 172, "outside_torch": 100}
+
+
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
                              "--peers", "plain,sglang"], cwd=ROOT, capture_output=True, text=True, timeout=300)
