@@ -468,6 +468,8 @@ def print_table(report: dict, workloads) -> None:
                       f"first token {v['process_to_first_token_s']:.1f} s; reserved KV "
                       f"{kv.get('reserved_gib_logged')} GiB ({kv.get('tokens_logged')} tokens, "
                       f"{kv.get('num_gpu_blocks')} blocks of {kv.get('block_size')})")
+        for line in kv.get("memory_lines", []):
+            console.print(f"  vllm log: {line}", markup=False)
     if "ponytail" in start:
         console.print(f"ponytail: LLM(dir) in a fresh process set its KV pool's ceiling at "
                       f"{start['ponytail']['kv_pool_ceiling_bytes'] / 1e9:.2f} GB")

@@ -26,6 +26,9 @@ LOGPROBS = 20  # top logprobs per check step: Ponytail's MAX_LOGPROBS, within vL
 DEFAULT_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
 KV_LOG = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
 KV_TOKENS_LOG = re.compile(r"GPU KV cache size: ([\d,]+) tokens")
+# vLLM's own account of its memory (weights loaded, profiled activations, CUDA graphs, KV): what its
+# budget subtracted, to set beside Ponytail's (bench_engine prints both)
+MEMORY_LOG = re.compile(r"\bGiB\b.*\b(memory|graph|KV|took)\b|\b(memory|graph|KV|took)\b.*\bGiB\b", re.IGNORECASE)
 
 
 def run_vllm(python: str, pythonpath: str | None, request: dict, workdir: Path, timeout: float) -> dict:
@@ -63,6 +66,7 @@ def read_results(workdir: Path, missing: str = "no results") -> dict:
         tokens = KV_TOKENS_LOG.findall(text)
         result["kv"]["reserved_gib_logged"] = float(kv[-1]) if kv else None
         result["kv"]["tokens_logged"] = int(tokens[-1].replace(",", "")) if tokens else None
+        result["kv"]["memory_lines"] = [line.strip()[-200:] for line in text.splitlines() if MEMORY_LOG.search(line)][:12]
     result["log"] = str(log)
     return result
 

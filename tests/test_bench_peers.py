@@ -59,6 +59,7 @@ class RequestOutput:
 
 class LLM:
     def __init__(self, model, dtype="auto", seed=0):
+        print("INFO Model loading took 0.5 GiB memory and 1.0 seconds")  # its memory account, kept
         print("INFO Available KV cache memory: 1.25 GiB")  # the line vLLM logs, parsed by the parent
         self.model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
@@ -147,6 +148,13 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     vllm, ours = report["results"]["vllm"]["prefill"], report["results"]["ponytail"]["prefill"]
     assert vllm["output_tokens"] == ours["output_tokens"] == 6 and vllm["prompt_tokens"] == ours["prompt_tokens"]
     assert report["vllm"]["kv"]["reserved_gib_logged"] == 1.25
+    assert report["vllm"]["kv"]["memory_lines"] == [
+        "INFO Model loading took 0.5 GiB memory and 1.0 seconds", "INFO Available KV cache memory: 1.25 GiB"]
+    assert "vllm log: INFO Model loading took 0.5 GiB" in result.stdout
+    lines = result.stdout.splitlines()  # vLLM's round printed once its process returned, before ours ran
+    first = {peer: next(i for i, line in enumerate(lines) if line.startswith(f"{peer} prefill: ")) for peer in
+             ("vllm", "ponytail")}
+    assert first["vllm"] < first["ponytail"]
     start = report["start"]["vllm"]
     assert 0 < start["llm_to_ready_s"] <= start["llm_to_first_token_s"] <= start["process_to_first_token_s"]
     assert 0 < report["start"]["ponytail"]["llm_to_ready_s"] <= report["start"]["ponytail"]["llm_to_first_token_s"]
