@@ -3,7 +3,8 @@
 What the `anthropic` SDK, LangChain's ChatAnthropic and agents built on them send (vLLM 0.26
 serves it too): `system` apart from the turns, content as blocks (`text`, `tool_use`,
 `tool_result`, `thinking`), tools with an `input_schema`, `tool_choice` as auto / any / tool /
-none, `stop_sequences`, `thinking` on or off, `output_config` (a JSON schema, an effort). The
+none, `stop_sequences`, `thinking` on or off (its `budget_tokens` kept as vLLM's thinking_token_budget
+where the served model thinks in tags), `output_config` (a JSON schema, an effort). The
 turns become chat messages: a user turn's `tool_result` blocks become tool messages (before its
 text), an assistant turn's `tool_use` blocks its tool calls and its `thinking` its reasoning.
 `cache_control` marks are accepted and change nothing (the prefix cache finds repeated prefixes
@@ -15,11 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from ponytail import ConfigError
 
 from .openai_protocol import ChatCompletionRequest, TokenizeRequest
+from .protocol import ModelInfo
 
 # Fields mapped here; everything else a chat request takes (vLLM's sampling extras,
 # chat_template_kwargs, structured_outputs, ...) passes through under its own name.
@@ -32,11 +34,20 @@ _TOOL_TYPES = (None, "custom")  # a client tool; others (web_search_..., bash_..
 class MessagesChatRequest(ChatCompletionRequest):
     """The chat request a Messages request runs as; errors name the Messages API's fields."""
 
-    _FIELDS = {"stop": "stop_sequences", "response_format": "output_config", "reasoning_effort": "output_config"}
+    _FIELDS = {"stop": "stop_sequences", "response_format": "output_config", "reasoning_effort": "output_config",
+               "thinking_token_budget": "thinking.budget_tokens"}
+    _thinking_budget: int | None = PrivateAttr(default=None)  # thinking.budget_tokens, kept for for_model
 
     def field_name(self, sampling_name: str) -> str:
         name = super().field_name(sampling_name)
         return self._FIELDS.get(name, name)
+
+    def for_model(self, info: ModelInfo) -> MessagesChatRequest:
+        """thinking.budget_tokens as the engine's thinking_token_budget where the served model thinks
+        in tags (info.reasoning_format); a model that does not think keeps any budget as it is."""
+        if self._thinking_budget is None or info.reasoning_format is None:
+            return self
+        return self.model_copy(update={"thinking_token_budget": self._thinking_budget})
 
 
 class CountTokensRequest(BaseModel):
@@ -103,6 +114,7 @@ def chat_request(body: bytes) -> tuple[MessagesRequest, MessagesChatRequest]:
     if req.stop_sequences:
         chat["stop"] = req.stop_sequences
     chat["chat_template_kwargs"] = req.template_kwargs()
+    budget = _thinking_budget(req.thinking, req.max_tokens)
     config = req.output_config or {}
     if config.get("effort") is not None:
         chat["reasoning_effort"] = config["effort"]
@@ -110,7 +122,9 @@ def chat_request(body: bytes) -> tuple[MessagesRequest, MessagesChatRequest]:
         chat["response_format"] = _response_format(config["format"])
     if req.stream:  # message_start carries the prompt's tokens; message_delta the whole usage
         chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-    return req, MessagesChatRequest.model_validate(chat)
+    chat_req = MessagesChatRequest.model_validate(chat)
+    chat_req._thinking_budget = budget
+    return req, chat_req
 
 
 def chat_fields(req: CountTokensRequest) -> dict[str, Any]:
@@ -253,14 +267,26 @@ def _tool_choice(choice: dict[str, Any]) -> dict[str, Any]:
 
 
 def _thinking(thinking: dict[str, Any] | None) -> bool | None:
-    """enable_thinking for the chat template: on, off, or the template's default (adaptive).
-    budget_tokens is not enforced apart from max_tokens, which bounds thought and answer together."""
+    """enable_thinking for the chat template: on, off, or the template's default (adaptive). Its
+    budget_tokens: _thinking_budget."""
     if thinking is None:
         return None
     kind = thinking.get("type")
     if kind not in ("enabled", "disabled", "adaptive"):
         raise ConfigError(f"thinking.type={kind!r:.40} is invalid; allowed: enabled, disabled, adaptive")
     return None if kind == "adaptive" else kind == "enabled"
+
+
+def _thinking_budget(thinking: dict[str, Any] | None, max_tokens: int) -> int | None:
+    """thinking.budget_tokens of `"type": "enabled"`: at most this many tokens of thought, which (as in
+    Anthropic's API) must leave room in max_tokens for the answer. None without one."""
+    if not thinking or thinking.get("type") != "enabled" or thinking.get("budget_tokens") is None:
+        return None
+    budget = thinking["budget_tokens"]
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget < max_tokens:
+        raise ConfigError(f"thinking.budget_tokens={budget!r:.40} is invalid; allowed: an integer from 1 to "
+                          f"max_tokens - 1 ({max_tokens - 1}), so that the answer has room after the thought")
+    return budget
 
 
 def _response_format(fmt: Any) -> dict[str, Any]:

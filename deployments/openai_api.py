@@ -466,6 +466,8 @@ class _OpenAIServer:
             info = await self.model_info()
             if req.model is not None and not info.serves(req.model):
                 raise _model_not_found(req.model, info)
+            if (for_model := getattr(req, "for_model", None)) is not None:  # what depends on the model served
+                req = for_model(info)
             self.limits.check(req, info.max_model_len, field_name("max_tokens") if field_name else "max_tokens")
             base_id = request.headers.get("x-request-id") or uuid.uuid4().hex  # vLLM's rule
             generates = [with_template_defaults(g, info.chat_template_kwargs)

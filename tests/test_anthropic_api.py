@@ -143,6 +143,10 @@ def test_a_conversation_with_tool_use_and_results_reaches_the_template_as_chat_m
      'tool_choice={"type": "tool"} is invalid; allowed: type auto, any, none, or tool with a name'),
     ({"max_tokens": 8, "messages": ASK, "thinking": {"type": "on"}}, 400, "invalid_request_error",
      "thinking.type='on' is invalid; allowed: enabled, disabled, adaptive"),
+    ({"max_tokens": 64, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 64}}, 400,
+     "invalid_request_error", "thinking.budget_tokens=64 is invalid; allowed: an integer from 1 to max_tokens - 1 (63)"),
+    ({"max_tokens": 64, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": "8"}}, 400,
+     "invalid_request_error", "thinking.budget_tokens='8' is invalid; allowed: an integer from 1 to max_tokens - 1"),
     ({"max_tokens": 8, "messages": ASK, "mcp_servers": [{"url": "x"}]}, 400, "invalid_request_error",
      "mcp_servers=[{'url': 'x'}] is not supported"),
     ({"max_tokens": 8, "messages": ASK, "model": "claude-sonnet"}, 404, "not_found_error",
@@ -171,9 +175,27 @@ def test_sampling_fields_output_config_and_thinking_reach_the_chat_request(serve
         "temperature": 0.5, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1}
     assert request.sampling["structured_outputs"]["json"] == WEATHER["input_schema"]
     assert request.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
-    client.messages.create(model=MODEL, max_tokens=32, messages=ASK, thinking={"type": "enabled", "budget_tokens": 1024},
+    client.messages.create(model=MODEL, max_tokens=32, messages=ASK, thinking={"type": "enabled", "budget_tokens": 16},
                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert backend.requests[-1].chat_template_kwargs == {"enable_thinking": False}  # the request's own kwargs win
+    assert "thinking_token_budget" not in backend.requests[-1].sampling  # a model that does not think: no budget
+
+
+def test_budget_tokens_bounds_a_reasoning_models_thought():
+    """thinking.budget_tokens reaches the engine as vLLM's thinking_token_budget where the model thinks
+    in tags; the engine then writes </think> once the thought has used it (tests of sampling/thinking.py)."""
+    backend = ReasoningBackend()
+    backend.script = THOUGHT
+    with serve_on_loopback(build_app(backend)) as url:
+        with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=5.0) as client:
+            client.messages.create(model=MODEL, max_tokens=256, messages=ASK,
+                                   thinking={"type": "enabled", "budget_tokens": 128})
+            budgeted = backend.requests[-1]
+            client.messages.create(model=MODEL, max_tokens=256, messages=ASK, thinking={"type": "adaptive"})
+            adaptive = backend.requests[-1]
+    assert budgeted.sampling["thinking_token_budget"] == 128 and budgeted.chat_template_kwargs == {
+        "enable_thinking": True}
+    assert "thinking_token_budget" not in adaptive.sampling
 
 
 def test_a_thought_comes_back_as_a_thinking_block_whole_and_streamed():
