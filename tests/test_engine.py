@@ -204,6 +204,25 @@ def test_stop_strings_stop_tokens_and_max_tokens(small_model):
         assert full.text.startswith(by_string.text)
 
 
+def test_detokenize_false_returns_the_same_tokens_without_text(small_model):
+    """vLLM's detokenize=False (token ids only, as RL rollouts ask): the same tokens and logprobs, no text,
+    stop_token_ids still end it."""
+    llm = make_llm(small_model)
+    prompts = random_prompts(3, seed=11)
+    params = dict(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    texts = llm.generate(prompts, SamplingParams(**params))
+    ids = llm.generate(prompts, SamplingParams(**params, detokenize=False))
+    for with_text, only_ids in zip(texts, ids):
+        assert with_text.text and only_ids.text == ""
+        assert only_ids.token_ids == with_text.token_ids and len(only_ids.outputs[0].logprobs) == 12
+        assert [sorted(step) for step in only_ids.outputs[0].logprobs] == [
+            sorted(step) for step in with_text.outputs[0].logprobs]
+    stop_token = texts[0].token_ids[4]
+    stopped = llm.generate([prompts[0]], SamplingParams(**params, detokenize=False, stop_token_ids=[stop_token]))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == texts[0].token_ids[:texts[0].token_ids.index(
+        stop_token) + 1] and stopped.text == ""
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ("", None, "prompt='' is empty"),
     ([], None, "prompt must be a non-empty string or list of token ids"),

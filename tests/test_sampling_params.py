@@ -21,8 +21,8 @@ def test_defaults_are_vllms():
         1, 16, 0, 1.0, 1.0, 0, 0.0)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.seed, p.stop, p.stop_token_ids, p.logprobs) == (None, [], [], None)
-    assert (p.ignore_eos, p.include_stop_str_in_output, p.skip_special_tokens) == (
-        False, False, True)
+    assert (p.ignore_eos, p.include_stop_str_in_output, p.skip_special_tokens, p.detokenize) == (
+        False, False, True, True)
     assert not p.greedy
 
 
@@ -95,6 +95,9 @@ def test_greedy():
      "include_stop_str_in_output='yes' (str) is invalid; allowed: True or False"),
     (dict(skip_special_tokens=None),
      "skip_special_tokens=None (NoneType) is invalid; allowed: True or False"),
+    (dict(detokenize="no"), "detokenize='no' (str) is invalid; allowed: True or False"),
+    (dict(detokenize=False, stop=["\n"]), "stop=['\\n'] is invalid; allowed: None with detokenize=False (stop "
+                                          "strings are matched in the decoded text"),
     (dict(logprobs=-1), "logprobs=-1 is invalid; allowed: None or an integer in [0, 20]"),
     (dict(logprobs=21), "logprobs=21 is invalid; allowed: None or an integer in [0, 20]"),
     (dict(logprobs=True), "logprobs=True (bool) is invalid"),

@@ -151,8 +151,9 @@ class StreamDetokenizer(IncrementalDetokenizer):
 
 
 def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-    """The detokenizer for a request: none without a tokenizer, DecodeStream's for a fast one."""
-    if tokenizer is None:
+    """The detokenizer for a request: none without a tokenizer or with detokenize=False, DecodeStream's
+    for a fast one."""
+    if tokenizer is None or not params.detokenize:
         return NoTextDetokenizer()
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and DecodeStream is not None:
@@ -161,7 +162,8 @@ def make_detokenizer(tokenizer, prompt_token_ids: list[int], params: SamplingPar
 
 
 class NoTextDetokenizer:
-    """For engines run without a tokenizer (token ids in, token ids out): no text is produced."""
+    """For engines run without a tokenizer, and requests with detokenize=False (token ids in, token
+    ids out): no text is produced."""
 
     finished_by_stop = None
     text = ""

@@ -107,6 +107,7 @@ class SamplingParams:
     logprob_token_ids: list[int] | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
+    detokenize: bool = True  # vLLM's: False returns token ids only (text ""), the host decodes nothing
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
     allowed_token_ids: list[int] | None = None  # the only tokens the output may take; None: any
     bad_words: list[str] | None = None  # words the output may not contain (the engine tokenizes them)
@@ -148,8 +149,11 @@ class SamplingParams:
             self.seed = _int("seed", self.seed, allowed, _SEED_MIN, _SEED_MAX - (k - 1))
         self.stop = self._check_stop(self.stop)
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             _bool(name, getattr(self, name))
+        if self.stop and not self.detokenize:  # vLLM refuses it too: stop strings are found in the text
+            raise _invalid("stop", self.stop, "None with detokenize=False (stop strings are matched in the "
+                           "decoded text; stop_token_ids end generation without it)")
         tracked = isinstance(self.logprob_token_ids, (list, tuple)) and self.logprobs == len(self.logprob_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and not (name == "logprobs" and tracked):  # checked below
