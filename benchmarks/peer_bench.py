@@ -388,6 +388,8 @@ def run(args, peers: list[str]) -> int:
 
     start, model, tokenizer = ponytail_start(model_dir, workloads[0].prompts[0], args.dtype)
     report["start"]["ponytail"] = start
+    print(f"ponytail: LLM(dir) to first token {start['llm_to_first_token_s']:.1f} s, KV pool ceiling "
+          f"{start['kv_pool_ceiling_bytes'] / 1e9:.2f} GB", flush=True)
     verdicts = {}
     ours = [p for p in peers if p != "vllm"]
     for peer in ours:
@@ -405,6 +407,7 @@ def run(args, peers: list[str]) -> int:
             return 1
 
     if vllm is not None:
+        print(f"vllm: LLM() to first token {vllm['start']['llm_to_first_token_s']:.1f} s", flush=True)
         for w in workloads:
             for r in (r for r in vllm["results"] if r["name"] == w.name):
                 print(round_line("vllm", w, r), flush=True)
@@ -470,9 +473,6 @@ def print_table(report: dict, workloads) -> None:
                       f"{kv.get('num_gpu_blocks')} blocks of {kv.get('block_size')})")
         for line in kv.get("memory_lines", []):
             console.print(f"  vllm log: {line}", markup=False)
-    if "ponytail" in start:
-        console.print(f"ponytail: LLM(dir) in a fresh process set its KV pool's ceiling at "
-                      f"{start['ponytail']['kv_pool_ceiling_bytes'] / 1e9:.2f} GB")
     print_rounds(console, report, workloads)
     for engine in ours:
         for name, r in report["results"][engine].items():

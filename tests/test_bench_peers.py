@@ -155,6 +155,7 @@ def test_bench_engine_runs_vllm_in_its_own_process_and_checks_its_tokens(stand_i
     first = {peer: next(i for i, line in enumerate(lines) if line.startswith(f"{peer} prefill: ")) for peer in
              ("vllm", "ponytail")}
     assert first["vllm"] < first["ponytail"]
+    assert any(line.startswith("ponytail: LLM(dir) to first token ") and " GB" in line for line in lines)
     start = report["start"]["vllm"]
     assert 0 < start["llm_to_ready_s"] <= start["llm_to_first_token_s"] <= start["process_to_first_token_s"]
     assert 0 < report["start"]["ponytail"]["llm_to_ready_s"] <= report["start"]["ponytail"]["llm_to_first_token_s"]
