@@ -223,6 +223,19 @@ def test_detokenize_false_returns_the_same_tokens_without_text(small_model):
         stop_token) + 1] and stopped.text == ""
 
 
+def test_truncate_prompt_tokens_runs_only_the_prompts_last_tokens(small_model):
+    llm = make_llm(small_model)
+    prompt = random_prompts(1, seed=12, low=40, high=40)[0]
+    greedy = dict(max_tokens=6, temperature=0, ignore_eos=True)
+    cut = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=10))[0]
+    tail = llm.generate([prompt[-10:]], SamplingParams(**greedy))[0]
+    assert cut.prompt_token_ids == prompt[-10:] and cut.token_ids == tail.token_ids
+    whole = llm.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1))[0]  # -1: max_model_len's worth
+    assert whole.prompt_token_ids == prompt
+    with pytest.raises(ConfigError, match=r"prompt \(256 tokens\) \+ max_tokens \(6\) = 262 exceeds max_model_len=256"):
+        llm.generate([[7] * 300], SamplingParams(**greedy, truncate_prompt_tokens=-1))
+
+
 @pytest.mark.parametrize("prompt, params, message", [
     ("", None, "prompt='' is empty"),
     ([], None, "prompt must be a non-empty string or list of token ids"),

@@ -96,6 +96,10 @@ def test_greedy():
     (dict(skip_special_tokens=None),
      "skip_special_tokens=None (NoneType) is invalid; allowed: True or False"),
     (dict(detokenize="no"), "detokenize='no' (str) is invalid; allowed: True or False"),
+    (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens=0 is invalid; allowed: None, -1 (max_model_len) or an "
+                                     "integer >= 1"),
+    (dict(truncate_prompt_tokens=-2), "truncate_prompt_tokens=-2 is invalid; allowed: None, -1"),
+    (dict(truncate_prompt_tokens=2.5), "truncate_prompt_tokens=2.5 (float) is invalid"),
     (dict(detokenize=False, stop=["\n"]), "stop=['\\n'] is invalid; allowed: None with detokenize=False (stop "
                                           "strings are matched in the decoded text"),
     (dict(logprobs=-1), "logprobs=-1 is invalid; allowed: None or an integer in [0, 20]"),

@@ -29,7 +29,8 @@ from .detokenizer import IncrementalDetokenizer, make_detokenizer
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
-from .request import PLACEHOLDER_TOKEN, Request, RequestOutput, unpack_prompt
+from .request import (PLACEHOLDER_TOKEN, Request, RequestOutput, checked_prompt_ids, truncated_prompt,
+                      unpack_prompt)
 from ..sampling.grammar import GrammarCompiler, RequestGrammar
 from ..sampling.sampler import HostSamples, SamplerOutput, request_generator, sample
 from ..sampling.params import SamplingParams
@@ -136,7 +137,7 @@ class LLMEngine:
             raise ConfigError(f"request_id={request_id!r} is already in use")
         prompt, salt = unpack_prompt(prompt)
         request = Request(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
-                          prompt_token_ids=self.prompt_token_ids(prompt), params=params,
+                          prompt_token_ids=self.prompt_token_ids(prompt, params.truncate_prompt_tokens), params=params,
                           eos_token_ids=self.eos_token_ids, cache_salt=salt, priority=priority)
         start_group(request)  # n > 1 / best_of: the request's first sample, the others fork from it
         self.scheduler.check_fits(request)  # refuses what can never fit
@@ -162,22 +163,9 @@ class LLMEngine:
                                                                   request.params)
         self._generators[request.request_id] = request_generator(request.params, self.cache.config.device)
 
-    def prompt_token_ids(self, prompt) -> list[int]:  # text tokenized as the engine does; ids checked
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ConfigError("this engine has no tokenizer (tokenizer=None): give prompts as token ids")
-            if not prompt:
-                raise ConfigError("prompt='' is empty; give at least one token")
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        if not isinstance(prompt, (list, tuple)) or not prompt:
-            raise ConfigError(f"prompt must be a non-empty string or list of token ids, got {prompt!r:.60}")
-        if set(map(type, prompt)) == {int} and min(prompt) >= 0 and max(prompt) < self.vocab_size:
-            return list(prompt)  # checked in C; the walk below (~20 ms per 100k ids) only names bad ids
-        bad = [t for t in prompt if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ConfigError(f"prompt={bad[:5]!r:.80}: token ids outside the vocabulary; "
-                              f"allowed: token ids in [0, {self.vocab_size})")
-        return list(prompt)
+    def prompt_token_ids(self, prompt, keep: int | None = None) -> list[int]:
+        """A prompt's token ids as the engine runs them: text tokenized, ids checked, the last `keep` kept."""
+        return truncated_prompt(checked_prompt_ids(prompt, self.tokenizer, self.vocab_size), keep, self.max_model_len)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now (every sample); its blocks go back to the pool. False if unknown or done."""

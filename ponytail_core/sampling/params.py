@@ -108,6 +108,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit (-100..100, OpenAI's)
     skip_special_tokens: bool = True  # leave special tokens out of the detokenized text
     detokenize: bool = True  # vLLM's: False returns token ids only (text ""), the host decodes nothing
+    truncate_prompt_tokens: int | None = None  # vLLM's: run only the prompt's last this many tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None  # JSON the output must match (or a dict)
     allowed_token_ids: list[int] | None = None  # the only tokens the output may take; None: any
     bad_words: list[str] | None = None  # words the output may not contain (the engine tokenizes them)
@@ -147,6 +148,11 @@ class SamplingParams:
             allowed = ("None or an integer in [-2**63, 2**64 - 1]" if k == 1 else
                        f"None or an integer in [-2**63, 2**64 - {k}] (sample i is seeded with seed + i)")
             self.seed = _int("seed", self.seed, allowed, _SEED_MIN, _SEED_MAX - (k - 1))
+        if self.truncate_prompt_tokens is not None:
+            allowed = "None, -1 (max_model_len) or an integer >= 1"
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens, allowed, -1)
+            if self.truncate_prompt_tokens == 0:
+                raise _invalid("truncate_prompt_tokens", 0, allowed)
         self.stop = self._check_stop(self.stop)
         self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
