@@ -222,11 +222,22 @@ class AsyncLLM:
         if delay is None:
             await self._wakeup.wait()
             return
+        # Not wait_for: on Python < 3.12 it returns normally when the event is set as the task is
+        # cancelled (a stream's last hand-over at asyncio.run's exit), and the loop then never ends.
+        expired = False
+
+        def time_up():
+            nonlocal expired
+            expired = True
+            self._wakeup.set()
+
+        deadline = asyncio.get_running_loop().call_later(delay + 0.01, time_up)
         try:
-            await asyncio.wait_for(self._wakeup.wait(), timeout=delay + 0.01)
-        except asyncio.TimeoutError:
-            if not self._has_work():
-                await asyncio.to_thread(self.engine.maintain)
+            await self._wakeup.wait()
+        finally:
+            deadline.cancel()
+        if expired and not self._has_work():
+            await asyncio.to_thread(self.engine.maintain)
 
     def _has_work(self) -> bool:
         return bool(self._incoming or self._aborts or self._forget) or self.engine.has_unfinished()

@@ -5,6 +5,7 @@ import asyncio
 import logging
 import random
 import shutil
+import threading
 
 import pytest
 import torch
@@ -431,6 +432,26 @@ def test_an_abort_ends_a_stream_waiting_out_its_interval(small_model):
     deltas = asyncio.run(asyncio.wait_for(main(), 30))
     assert deltas[-1].finished and deltas[-1].output.finish_reason == "abort"
     assert llm.engine.stats().used_blocks == 0
+
+
+def test_asyncio_run_ends_after_a_stream_while_spare_kv_memory_waits_for_its_release(small_model):
+    """The idle loop waits out the release delay. When asyncio.run ends right after a stream, that
+    stream's last hand-over wakes the loop as it is cancelled: wait_for (Python < 3.12) returned
+    normally then, the loop went back to waiting, and asyncio.run never returned."""
+    llm = make_llm(small_model, kv_release_after_s=60.0)
+    engine = ponytail.AsyncLLM(llm)
+    prompt = random_prompts(1, seed=3, low=200, high=200)[0]
+
+    async def main():
+        return [d async for d in engine.generate(prompt, GREEDY)]
+
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(deltas=asyncio.run(main())), daemon=True)
+    runner.start()
+    runner.join(timeout=60)
+    assert not runner.is_alive(), "asyncio.run did not return: the engine's loop outlived its cancellation"
+    assert result["deltas"][-1].finished
+    assert llm.engine.cache.seconds_until_release() is not None  # a release was pending: the case above
 
 
 @pytest.mark.parametrize("keep_prefix_cache", [False, True])
