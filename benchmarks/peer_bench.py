@@ -148,12 +148,18 @@ def ponytail_start(model_arg: str, first_prompt: list[int], dtype) -> tuple[dict
     sync()
     first = time.perf_counter()
     model, tokenizer = llm.engine.model, llm.engine.tokenizer
-    ceiling = llm.engine.cache.max_blocks * llm.engine.cache.config.block_bytes  # a fresh process's: a user's
+    ceiling = pool_ceiling_bytes(llm)  # a fresh process's: a user's
     restore_model(model)  # LLM compiled and fused it in place; each peer decides for itself
     del llm
     gc.collect()
     return ({"llm_to_ready_s": ready - t0, "llm_to_first_token_s": first - t0, "kv_pool_ceiling_bytes": ceiling},
             model, tokenizer)
+
+
+def pool_ceiling_bytes(llm) -> int:
+    """The most the engine's KV pool may hold: its whole chunks within the budget."""
+    cache = llm.engine.cache
+    return cache.max_blocks * cache.config.block_bytes
 
 
 def check_ponytail(model, tokenizer, prompts, steps, llm_args: dict):
@@ -240,7 +246,7 @@ def run_ponytail(model, tokenizer, work, kv_memory, warmup, llm_args: dict) -> d
     result = {"seconds": seconds, "output_tokens": sum(len(o.token_ids) for o in outputs),
               "prompt_tokens": work.prompt_tokens, "ttfts": sorted(ttfts),
               "kv_pool_peak_bytes": llm.engine.cache.peak_allocated_bytes, "kv_all_requests_need_bytes": need,
-              "kv_pool_ceiling_bytes": llm.engine.cache.max_blocks * config.block_bytes,
+              "kv_pool_ceiling_bytes": pool_ceiling_bytes(llm),
               "preemptions": llm.stats().num_preemptions, "device_memory_before": memory_before or None}
     del llm, outputs
     return result
@@ -265,10 +271,11 @@ def rates(result: dict) -> dict:
 
 def round_line(peer: str, work, result: dict) -> str:
     """One round as it lands, so that a run stopped early still shows what it measured."""
-    line = f"{peer} {work.name}: {result[work.metric + '_tokens'] / result['seconds']:,.1f} {work.metric} tokens/s"
+    rate = result[f"{work.metric}_tokens"] / result["seconds"]
+    line = f"{peer} {work.name}: {rate:,.1f} {work.metric} tokens/s"
     if "kv_pool_ceiling_bytes" in result:  # Ponytail's pool; vLLM reserves its own up front
-        line += (f" (KV pool peak {result['kv_pool_peak_bytes'] / 1e9:.2f} of {result['kv_pool_ceiling_bytes'] / 1e9:.2f}"
-                 f" GB, {result['preemptions']} preemptions)")
+        peak, ceiling = result["kv_pool_peak_bytes"] / 1e9, result["kv_pool_ceiling_bytes"] / 1e9
+        line += f" (KV pool peak {peak:.2f} of {ceiling:.2f} GB, {result['preemptions']} preemptions)"
     return line
 
 

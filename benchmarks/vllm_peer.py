@@ -66,7 +66,8 @@ def read_results(workdir: Path, missing: str = "no results") -> dict:
         tokens = KV_TOKENS_LOG.findall(text)
         result["kv"]["reserved_gib_logged"] = float(kv[-1]) if kv else None
         result["kv"]["tokens_logged"] = int(tokens[-1].replace(",", "")) if tokens else None
-        result["kv"]["memory_lines"] = [line.strip()[-200:] for line in text.splitlines() if MEMORY_LOG.search(line)][:12]
+        memory = [line.strip()[-200:] for line in text.splitlines() if MEMORY_LOG.search(line)]
+        result["kv"]["memory_lines"] = memory[:12]
     result["log"] = str(log)
     return result
 
