@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig
+from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig, growth_chunk_blocks
 from .errors import ConfigError
 from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
@@ -33,7 +33,7 @@ from .utils.arith import cdiv
 
 logger = logging.getLogger("ponytail.engine")
 
-POOL_CHUNKS = 64  # the pool grows and shrinks in steps of 1/64 of its budget
+POOL_CHUNKS = 64  # the pool grows and shrinks in steps of about 1/64 of its budget
 
 
 class LLM:
@@ -162,7 +162,7 @@ class LLM:
         memory = kv_budget(kv_cache_memory, device, gpu_memory_utilization, headroom)
         config = CacheConfig.from_model(model, max_batch_size=max_num_seqs, max_seq_len=max_model_len,
                                         block_size=block_size, memory_budget=memory, device=device)
-        config = dataclasses.replace(config, chunk_blocks=max(1, cdiv(config.max_num_blocks, POOL_CHUNKS)))
+        config = dataclasses.replace(config, chunk_blocks=growth_chunk_blocks(config.max_num_blocks, POOL_CHUNKS))
         prefill_varlen = choose_prefill_attention(prefill_attention, device, config.dtype, config.head_dim)
         if device.type == "cuda":
             logger.info("prefill chunks attend through %s", {"fa4": "FlashAttention-4 (flash-attn-4)",

@@ -46,7 +46,7 @@ def test_derived_sizes():
     assert config.blocks_per_seq == 3  # ceil(40 / 16)
     assert config.memory_budget == 3 * 3 * 256 * 16  # max_batch_size full sequences
     assert config.max_num_blocks == 9
-    assert config.pool_chunk_blocks == 2  # ceil(9 / 8)
+    assert config.pool_chunk_blocks == 1  # 9 // 8: nine chunks of one block fill the budget (ceil(9 / 8) left one out)
     assert config.layer_block_elems == 16 * 4 * 8
 
 
@@ -330,3 +330,16 @@ def test_from_model_rejects_other_objects():
         CacheConfig.from_model({"num_hidden_layers": 2})
     assert str(err.value) == ("model_or_config=dict object is not supported; allowed: a "
                               "transformers PreTrainedModel or PretrainedConfig")
+
+
+def test_the_pools_chunks_leave_less_than_their_count_of_the_budget_unused():
+    """Chunks sized by rounding down: what fits of the budget in whole chunks misses fewer blocks than
+    there are chunks (rounding up missed up to a chunk: 1.6% of an 80 GB card's pool at 64)."""
+    from ponytail.kv.config import growth_chunk_blocks
+
+    for steps in (8, 64):
+        for blocks in range(1, 9000):
+            chunk = growth_chunk_blocks(blocks, steps)
+            fitted = blocks // chunk * chunk
+            assert blocks - steps < fitted <= blocks and blocks // chunk < 2 * steps
+    assert growth_chunk_blocks(7060, 64) == 110  # the H100 7B pool of lease 63: 64 chunks, 7,040 blocks
