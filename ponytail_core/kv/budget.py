@@ -1,8 +1,10 @@
 """The KV pool's memory budget: what LLM's kv_cache_memory and gpu_memory_utilization mean.
 
-On CUDA the default is vLLM's default share of the device (gpu_memory_utilization=0.9) less what
-is in use and one step's activations: a ceiling the pool grows to as tokens need it, never a
-reservation. On the CPU there is no device to measure: 2 GiB unless told.
+On CUDA the default is what vLLM's default gpu_memory_utilization=0.9 reserves on a device it owns:
+90% of the device less this process's tensors (the weights), so the other 10% holds the CUDA
+context and a step's activations; never more than is free less one step's activations. A ceiling
+the pool grows to as tokens need it, never a reservation. On the CPU there is no device to
+measure: 2 GiB unless told.
 """
 
 from __future__ import annotations
@@ -59,12 +61,15 @@ def share_budget(total: int, share: float, held: int) -> int:
     return int(total * share) - held
 
 
-def default_budget(total: int, in_use: int, headroom: int, available: int | None = None) -> int:
-    """The default KV ceiling on a device of `total` bytes with `in_use` taken (the weights, the
-    CUDA context, other tenants): DEFAULT_GPU_SHARE of the device less that and one step's
-    activations, and no more than is `available` (default: all that is not in use)."""
-    available = total - in_use if available is None else available
-    return min(int(total * DEFAULT_GPU_SHARE) - in_use, available) - headroom
+def default_budget(total: int, held: int, headroom: int, available: int | None = None) -> int:
+    """The default KV ceiling on a device of `total` bytes where this process's tensors take `held`
+    (the weights): DEFAULT_GPU_SHARE of the device less those, and no more than is `available`
+    (default: all the device less `held`) less one step's activations (`headroom`). vLLM 0.26's
+    reservation works out the same on a device it owns (lease 63, an H100: 63.1 GB, 90% of 85.0 GB
+    less 13.5 GB of weights): the 10% left out holds the CUDA context, libraries' workspaces and the
+    steps' activations, rather than the 90% paying for them a second time."""
+    available = total - held if available is None else available
+    return min(int(total * DEFAULT_GPU_SHARE) - held, available - headroom)
 
 
 def _share_of_device(share: float, device: torch.device) -> int:
@@ -87,19 +92,18 @@ def _share_of_device(share: float, device: torch.device) -> int:
 
 
 def _default_device_share(device: torch.device, headroom: int) -> int:
-    """The KV pool's default ceiling on CUDA, sized as vLLM's default gpu_memory_utilization=0.9
-    sizes its cache: 90% of the device's total less what is in use (this process's tensors, the
-    weights, and anything else on the device) and one step's activations (headroom), and never
-    more than is available now less those. torch's cached but unused memory counts as available
-    (an earlier engine's pool, freed). A ceiling, not a reservation: the pool grows to it as tokens
-    need it."""
+    """The KV pool's default ceiling on CUDA (default_budget): 90% of the device's total less this
+    process's tensors, and never more than is available now less one step's activations (headroom).
+    torch's cached but unused memory counts as available (an earlier engine's pool, freed); what
+    other processes hold does not. A ceiling, not a reservation: the pool grows to it as tokens
+    need it, and each growth leaves a step's activations free (PagedKVCache's device headroom)."""
     free, total = torch.cuda.mem_get_info(device)
-    available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    in_use = total - available
-    budget = default_budget(total, in_use, headroom, available)
+    held = torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - held
+    budget = default_budget(total, held, headroom, available)
     if budget <= 0:
-        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(in_use)} of "
-                          f"{format_bytes(total)} in use (this process's weights and any other tenant's), 90% "
+        raise ConfigError(f"kv_cache_memory=None leaves no KV memory on {device}: {format_bytes(total - available)} "
+                          f"of {format_bytes(total)} in use (this process's weights and any other tenant's), 90% "
                           f"the ceiling, and a step needs {format_bytes(headroom)}; allowed: an explicit "
                           "kv_cache_memory, or a smaller model")
     return budget

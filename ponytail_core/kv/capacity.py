@@ -26,7 +26,7 @@ class DeviceCapacity:
     gpu_memory_utilization: float | None  # the share asked for; None: the engine's default sizing
     num_parameters: int  # the model's parameters (tied weights once)
     weight_bytes: int  # num_parameters in the cache's dtype
-    step_headroom: int  # one step's activations, left free by the default sizing (0 with a share)
+    step_headroom: int  # one step's activations, left free beside the pool by the default sizing (0 with a share)
     kv_budget: int  # the pool's ceiling in bytes
     kv_blocks: int  # whole blocks in kv_budget
     kv_tokens: int  # tokens those blocks hold
@@ -34,7 +34,7 @@ class DeviceCapacity:
 
     def summary(self, max_seq_len: int) -> list[str]:
         """Lines for KVEstimate.summary: the device, what it holds besides the pool, the pool."""
-        sizing = ("the engine's default: 90% of it less the weights and one step"
+        sizing = ("the engine's default: 90% of it less the weights, one step free"
                   if self.gpu_memory_utilization is None else f"gpu_memory_utilization={self.gpu_memory_utilization}")
         return [
             f"  device:              {_both(self.device_memory)} total ({sizing})",
