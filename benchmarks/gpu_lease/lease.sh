@@ -9,7 +9,8 @@
 #    without it: its tests skip and say so)
 # 3. STEPS (default "syncs suite bench"): probe_step_syncs, the whole `pytest -m gpu` suite, and, once
 #    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default
-#    ponytail,vllm); also `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS) and `e2e`
+#    ponytail,vllm); also `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS), `gemm`
+#    (probe_gemm at GEMM_ROWS through GEMM_METHODS) and `e2e`
 #    (serve_side_by_side: serve run against vllm serve); SUITE_TESTS narrows the suite. A second run in
 #    the same lease skips what the first built.
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
@@ -103,6 +104,10 @@ for step in $STEPS; do
         --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir "/tmp/vllm-run-$(date +%s)" \
         --json "$RES/peers.json" > "$RES/bench.log" 2>&1
       log "bench: rc $?" ;;
+    gemm)  # the projections' GEMMs at decode's row count: cuBLAS(Lt) against inductor's Triton templates
+      (cd benchmarks && python3 probe_gemm.py --rows "${GEMM_ROWS:-64}" \
+        --methods "${GEMM_METHODS:-linear_lt,transposed_lt,triton}" --json "$RES/gemm.json") > "$RES/gemm.log" 2>&1
+      log "gemm: rc $?" ;;
     e2e)  # serve run deployments/app.yaml against vllm serve, the 135M shape, one server at a time
       if ! install_vllm; then log "e2e skipped"; continue; fi
       python3 benchmarks/serve_side_by_side.py --model /tmp/ponytail-smollm2-random --servers ponytail,vllm \
