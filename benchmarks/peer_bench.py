@@ -42,8 +42,9 @@ from vllm_peer import read_results, run_vllm
 
 # peer -> compile_model; None: what LLM(dir) chooses (see llm_args_for)
 VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True}
-# LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included).
-_SET_HERE = {"model", "tokenizer", "kv_cache_memory", "compile_model", "dtype", "device"}
+# LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included);
+# kv_cache_memory is --kv-memory's unless the peer names its own.
+_SET_HERE = {"model", "tokenizer", "compile_model", "dtype", "device"}
 # A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs.
 LAUNCH_PREFIX = "decode."
 
@@ -219,7 +220,7 @@ def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict, memory_
         torch.cuda.empty_cache()
     if memory_before is not None:
         memory_before.update(device_memory(model) or {})
-    llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory=kv_memory, **llm_args)
+    llm = ponytail.LLM(model, tokenizer=tokenizer, **{"kv_cache_memory": kv_memory, **llm_args})
     try:
         llm.generate([warmup], greedy(2))
         sync()

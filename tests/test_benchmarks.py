@@ -302,14 +302,19 @@ def test_side_by_side_prints_each_round_with_its_pool_as_it_lands(tmp_path):
     and the JSON holds every workload finished so far (written after each)."""
     out = tmp_path / "peers.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small", "--workload",
-                             "prefill", "--peers", "ponytail", "--check-tokens", "0", "--json", str(out)],
+                             "prefill", "--peers", "ponytail,ponytail:kv_cache_memory=64MiB", "--check-tokens", "0",
+                             "--json", str(out)],
                             cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = [line for line in result.stdout.splitlines() if line.startswith("ponytail prefill: ")]
     assert re.fullmatch(r"ponytail prefill: [\d,]+\.\d prompt tokens/s \(KV pool peak \d+\.\d\d of \d+\.\d\d GB, "
                         r"0 preemptions\)", lines[0]), lines
-    ours = json.loads(out.read_text())["results"]["ponytail"]["prefill"]
+    results = json.loads(out.read_text())["results"]
+    ours = results["ponytail"]["prefill"]
     assert 0 < ours["kv_pool_peak_bytes"] <= ours["kv_pool_ceiling_bytes"]
+    # a peer's own kv_cache_memory sizes its pool instead of --kv-memory
+    small = results["ponytail:kv_cache_memory=64MiB"]["prefill"]
+    assert small["kv_pool_ceiling_bytes"] <= 64 << 20 < ours["kv_pool_ceiling_bytes"]
 
 
 def test_device_memory_splits_what_the_kv_budget_subtracts(monkeypatch):
@@ -343,8 +348,10 @@ def test_bench_engine_refuses_unknown_llm_arguments_of_a_peer_before_loading_a_m
     with pytest.raises(ValueError, match="--peers 'vllm:max_num_seqs=8': LLM arguments go after one of ponytail, "
                                          "ponytail_eager, ponytail_compiled, not 'vllm'"):
         parse_peer("vllm:max_num_seqs=8")
-    with pytest.raises(ValueError, match="got 'kv_cache_memory=1GiB'"):  # the benchmark sets it (--kv-memory)
-        parse_peer("ponytail:kv_cache_memory=1GiB")
+    # a peer's own KV budget overrides --kv-memory (a pool sized as before, beside the default)
+    assert parse_peer("ponytail:kv_cache_memory=59.1GB") == ("ponytail", {"kv_cache_memory": "59.1GB"})
+    with pytest.raises(ValueError, match="got 'device=cpu'"):  # the benchmark sets it
+        parse_peer("ponytail:device=cpu")
     with pytest.raises(ValueError, match="got 'cuda_graphs'"):
         parse_peer("ponytail:cuda_graphs")
     with pytest.raises(ValueError, match=r"decode.warps='8': expected decode.<key>=<int> with a key of "
