@@ -97,8 +97,8 @@ for step in $STEPS; do
       (cd benchmarks && PYTHONPATH=$PYTHONPATH:$VP python3 bench_attention.py --decode-only \
         --only "${ATTN_ONLY:-Hkv=32}" $fa3 $ATTN_ARGS --json "$RES/attn.json") > "$RES/attn.log" 2>&1
       log "attn: rc $?" ;;
-    bench)
-      if ! install_vllm; then log "bench skipped"; continue; fi
+    bench)  # vLLM is installed only when PEERS names it
+      if [[ ",$PEERS," == *",vllm,"* ]] && ! install_vllm; then log "bench skipped"; continue; fi
       # shellcheck disable=SC2086
       python3 benchmarks/bench_engine.py --model /tmp/ponytail-7b-random $BENCH_ARGS --peers "$PEERS" \
         --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir "/tmp/vllm-run-$(date +%s)" \
