@@ -152,6 +152,7 @@ def test_decode_long_rows_split_kv(group, dtype):
 @pytest.mark.parametrize("launch", [
     {"max_split_blocks": 4096, "min_split_tokens": 1 << 30},  # one split
     {"min_split_tokens": 16, "split_overhead_tokens": 0},  # as many splits as pay off
+    {"min_split_tokens": 16, "split_overhead_tokens": 0, "pow2_splits": 0},  # any count (3, 5, ...), not powers of two
     {"decode_warps": 1}, {"decode_warps": 8}, {"max_heads_per_cta": 2},
     {"decode_stages_g4": 4}, {"decode_loads": 8},  # tuning variants (bf16, head_dim 128)
     {"decode_row_vectors": 2, "decode_stages_g4": 4},

@@ -23,8 +23,8 @@ TREE=/tmp/lease-tree; rm -rf "$TREE" && cp -a "$PWD" "$TREE" && cd "$TREE" || ex
 STEPS=${STEPS:-"syncs suite bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--workload all --rounds 2"}
 PEERS=${PEERS:-"ponytail,vllm"}
-ATTN_ARGS=${ATTN_ARGS:-"--launch pow2_splits=1 --launch decode_warps=8 --launch decode_warps=8,pow2_splits=1 \
-  --launch decode_stages_g1=4 --launch decode_stages_g1=4,pow2_splits=1 --launch decode_loads=8"}
+ATTN_ARGS=${ATTN_ARGS:-"--launch pow2_splits=0 --launch decode_warps=8 --launch decode_stages_g1=4 \
+  --launch decode_loads=8"}
 export PYTHONUNBUFFERED=1
 log() { echo "$(date +%T) $*" | tee -a "$RES/steps.log"; }
 

@@ -43,8 +43,9 @@ LAUNCH = {
     "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
     "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
     # 1: only power-of-two split counts. On an H100 every plan of 3, 5, 6 or 7 splits ran 8-14% under
-    # the plans of 1, 2 or 4 (docs/benchmarks.md, thirty-second session); an experiment, off by default.
-    "pow2_splits": 0,
+    # the plans of 1, 2 or 4 (docs/benchmarks.md, thirty-second session), and mixed, whose 192-256-row
+    # decode graphs planned 3 splits of the 8k table, ran 0.3-0.5% faster with it (thirty-fifth).
+    "pow2_splits": 1,
 }
 
 
