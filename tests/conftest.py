@@ -3,12 +3,18 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 # pytest's faulthandler covers the tests only; a crash while the interpreter exits (a library's
 # thread outliving the suite) should still say where it happened. CI saw one SIGSEGV there once.
 faulthandler.enable(file=sys.__stderr__, all_threads=True)
 
 from ponytail.models.loader import default_model_available
+
+# No test asserts a duration: hypothesis' per-example deadline and its too-slow health check would,
+# and both can fail a correct test on a loaded 2-core machine. Tests' own @settings still apply.
+settings.register_profile("ponytail", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ponytail")
 
 
 def pytest_collection_modifyitems(config, items):
