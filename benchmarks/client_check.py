@@ -85,23 +85,27 @@ def agents_checks(base: str, model: str):
         """The weather in a city."""
         return f"sunny in {city}"
 
-    def agent(**kwargs):  # a client per run: an AsyncOpenAI belongs to the event loop that made it
-        client = openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0)
-        return Agent(name="check", instructions="Answer in one short sentence.",
-                     model=OpenAIResponsesModel(model=model, openai_client=client), **kwargs)
+    async def in_agent(use, **kwargs):
+        """use(agent) with a client of its own, closed in the event loop that made it (closed later,
+        by the garbage collector, it would reach for a loop asyncio.run has closed)."""
+        async with openai.AsyncOpenAI(base_url=base, api_key="unused", max_retries=0) as client:
+            return await use(Agent(name="check", instructions="Answer in one short sentence.",
+                                   model=OpenAIResponsesModel(model=model, openai_client=client), **kwargs))
 
-    settings = ModelSettings(temperature=0, max_tokens=32)
-    yield "run", lambda: asyncio.run(Runner.run(agent(model_settings=settings), ASK)).final_output
+    async def final_output(agent, question=ASK):
+        return (await Runner.run(agent, question)).final_output
 
-    async def streamed():
-        result = Runner.run_streamed(agent(model_settings=settings), ASK)
+    async def streamed(agent):
+        result = Runner.run_streamed(agent, ASK)
         count = len([event async for event in result.stream_events()])
         return f"{count} events: {result.final_output!r}"
-    yield "run streamed", lambda: asyncio.run(streamed())
+
+    settings = ModelSettings(temperature=0, max_tokens=32)
+    yield "run", lambda: asyncio.run(in_agent(final_output, model_settings=settings))
+    yield "run streamed", lambda: asyncio.run(in_agent(streamed, model_settings=settings))
     tool = dict(tools=[get_weather], tool_use_behavior="stop_on_first_tool",
                 model_settings=ModelSettings(temperature=0, max_tokens=48, tool_choice="required"))
-    yield "function tool", lambda: asyncio.run(Runner.run(agent(**tool), "Weather in Paris?")).final_output
-
+    yield "function tool", lambda: asyncio.run(in_agent(lambda a: final_output(a, "Weather in Paris?"), **tool))
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
