@@ -210,6 +210,28 @@ def device_memory(model) -> dict | None:
             "torch_cached": reserved - allocated, "outside_torch": total - free - reserved}
 
 
+def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
+    """The live tensors on `device_type` that Python holds besides the model's parameters, by shape
+    and dtype, largest first, each storage counted once (as its largest view): what device_memory's
+    "other tensors" are, where Python can see them (CUDA graph pools and C++ caches it cannot)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages = {}  # data pointer -> (elements, shape, dtype, bytes) of its largest view
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+            continue
+        storage = obj.untyped_storage()
+        if storage.data_ptr() not in weights and obj.numel() >= storages.get(storage.data_ptr(), (-1,))[0]:
+            dtype = str(obj.dtype).removeprefix("torch.")
+            storages[storage.data_ptr()] = (obj.numel(), tuple(obj.shape), dtype, storage.nbytes())
+    total, count = {}, {}
+    for _, shape, dtype, nbytes in storages.values():
+        total[shape, dtype] = total.get((shape, dtype), 0) + nbytes
+        count[shape, dtype] = count.get((shape, dtype), 0) + 1
+    largest = sorted(total, key=total.get, reverse=True)[:top]
+    return [{"shape": list(shape), "dtype": dtype, "bytes": total[(shape, dtype)], "tensors": count[(shape, dtype)]}
+            for shape, dtype in largest]
+
+
 @contextlib.contextmanager
 def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict, memory_before: dict | None = None):
     """A fresh engine with Ponytail's defaults but llm_args, after a short unrelated request; the
@@ -220,6 +242,8 @@ def ponytail_engine(model, tokenizer, kv_memory, warmup, llm_args: dict, memory_
         torch.cuda.empty_cache()
     if memory_before is not None:
         memory_before.update(device_memory(model) or {})
+        if memory_before:  # on CUDA: name the largest of the other tensors too
+            memory_before["largest_other_tensors"] = largest_live_tensors(model, "cuda")
     llm = ponytail.LLM(model, tokenizer=tokenizer, **{"kv_cache_memory": kv_memory, **llm_args})
     try:
         llm.generate([warmup], greedy(2))
@@ -489,10 +513,13 @@ def print_table(report: dict, workloads) -> None:
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
             if r.get("device_memory_before"):
-                m = {k: v / 1e9 for k, v in r["device_memory_before"].items()}
+                m = {k: v / 1e9 for k, v in r["device_memory_before"].items() if k != "largest_other_tensors"}
                 console.print(f"  device before its engine: {m['total']:.2f} GB, weights {m['weights']:.2f}, other "
                               f"tensors {m['other_tensors']:.2f}, torch's cache {m['torch_cached']:.2f} (counted "
                               f"free), outside torch {m['outside_torch']:.2f}, free {m['free']:.2f}")
+                largest = r["device_memory_before"].get("largest_other_tensors") or []
+                console.print("  largest other tensors: " + (", ".join(
+                    f"{t['shape']} {t['dtype']} x{t['tensors']} {t['bytes'] / 1e9:.3f} GB" for t in largest) or "none"))
 
 
 def print_rounds(console, report: dict, workloads) -> None:

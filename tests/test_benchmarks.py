@@ -329,6 +329,21 @@ def test_device_memory_splits_what_the_kv_budget_subtracts(monkeypatch):
                                                "torch_cached": 172, "outside_torch": 100}
 
 
+def test_largest_live_tensors_leaves_the_weights_out_and_counts_each_storage_once():
+    peer_bench = benchmark_module("peer_bench")
+    model = torch.nn.Linear(64, 64, bias=False)
+    held = [torch.zeros(1000), torch.zeros(1000)]  # two of one shape: 8,000 bytes together
+    also = torch.zeros(10, dtype=torch.float64)
+    view = held[0][:10]  # the same storage as held[0]: not counted again
+    largest = peer_bench.largest_live_tensors(model, "cpu", top=50)
+    mine = [t for t in largest if (t["shape"], t["dtype"]) in (([1000], "float32"), ([10], "float64"))]
+    assert {"shape": [1000], "dtype": "float32", "bytes": 8000, "tensors": 2} in mine
+    assert {"shape": [10], "dtype": "float64", "bytes": 80, "tensors": 1} in mine
+    assert not any(t["shape"] == [64, 64] for t in largest)  # the weights
+    assert largest == sorted(largest, key=lambda t: t["bytes"], reverse=True)
+    del held, also, view
+
+
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_engine.py"), "--small",
                              "--peers", "plain,sglang"], cwd=ROOT, capture_output=True, text=True, timeout=300)
