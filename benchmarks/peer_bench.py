@@ -219,7 +219,10 @@ def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
             continue
-        storage = obj.untyped_storage()
+        try:
+            storage = obj.untyped_storage()
+        except (NotImplementedError, RuntimeError):  # no storage to read (opaque, e.g. mkldnn; fake tensors)
+            continue
         if storage.data_ptr() not in weights and obj.numel() >= storages.get(storage.data_ptr(), (-1,))[0]:
             dtype = str(obj.dtype).removeprefix("torch.")
             storages[storage.data_ptr()] = (obj.numel(), tuple(obj.shape), dtype, storage.nbytes())
