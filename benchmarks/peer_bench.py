@@ -515,12 +515,13 @@ def print_table(report: dict, workloads) -> None:
                           f"{r['kv_pool_ceiling_bytes'] / 1e9:.2f} GB ceiling (all requests at once "
                           f"would need {r['kv_all_requests_need_bytes'] / 1e9:.2f} GB); preemptions "
                           f"{r['preemptions']}; TTFT p50 {r['ttft_p50']:.3f} s")
-            if r.get("device_memory_before"):
-                m = {k: v / 1e9 for k, v in r["device_memory_before"].items() if k != "largest_other_tensors"}
-                console.print(f"  device before its engine: {m['total']:.2f} GB, weights {m['weights']:.2f}, other "
-                              f"tensors {m['other_tensors']:.2f}, torch's cache {m['torch_cached']:.2f} (counted "
-                              f"free), outside torch {m['outside_torch']:.2f}, free {m['free']:.2f}")
-                largest = r["device_memory_before"].get("largest_other_tensors") or []
+            if memory := r.get("device_memory_before"):
+                gb = {k: memory[k] / 1e9 for k in ("total", "weights", "other_tensors", "torch_cached",
+                                                   "outside_torch", "free")}
+                console.print(f"  device before its engine: {gb['total']:.2f} GB, weights {gb['weights']:.2f}, other "
+                              f"tensors {gb['other_tensors']:.2f}, torch's cache {gb['torch_cached']:.2f} (counted "
+                              f"free), outside torch {gb['outside_torch']:.2f}, free {gb['free']:.2f}")
+                largest = memory.get("largest_other_tensors") or []
                 console.print("  largest other tensors: " + (", ".join(
                     f"{t['shape']} {t['dtype']} x{t['tensors']} {t['bytes'] / 1e9:.3f} GB" for t in largest) or "none"))
 
