@@ -13,6 +13,9 @@ gate/up, down) and the LM head, at each row count, this times:
   transposed_lt   the same with cuBLASLt
   triton          inductor's max-autotune Triton GEMM templates for this exact shape (slow to build:
                   off unless --methods names it)
+  lt_best         cuBLASLt on the column-major weight (what the engine runs) by every algorithm its
+                  heuristic lists (kernels/cublaslt.py): the fastest, with its rank; lt_first is rank 0
+                  through the same binding, which should time as transposed_lt
   skinny          ponytail's skinny GEMM kernel (kernels/skinny_gemm.py) on the column-major weight,
                   at most 16 rows; skinny_s4_u2_c3 fixes its launch (splits 4, unroll 2, the
                   split aimed at 3 CTAs per SM); each letter may be left out
@@ -39,7 +42,7 @@ from timing import graph_ms, tbps
 
 from ponytail.runner.gemm_layout import blas_library
 
-METHODS = ("linear", "linear_lt", "transposed", "transposed_lt", "triton", "skinny")
+METHODS = ("linear", "linear_lt", "transposed", "transposed_lt", "triton", "lt_best", "lt_first", "skinny")
 DEFAULT_METHODS = ("linear", "linear_lt", "transposed", "transposed_lt")
 MAX_REL_ERROR = 1e-2
 
@@ -97,12 +100,43 @@ def gemm_fn(method: str, x: torch.Tensor, weight: torch.Tensor):
     raise ValueError(f"method {method!r}: choose from {', '.join(METHODS)}")
 
 
+def measure_lt(method: str, rows: int, proj: Projection, x, weight, expected, device, iters: int) -> dict:
+    """lt_best / lt_first: every algorithm cuBLASLt's heuristic lists for this product, checked and timed."""
+    from ponytail.kernels.cublaslt import LtLinear
+
+    lt = LtLinear(rows, proj.in_features, proj.out_features, x.dtype, device)
+    weight_t = weight.t().contiguous()
+    out = torch.empty(rows, proj.out_features, device=device, dtype=x.dtype)
+    algos = lt.algorithms()
+    if method == "lt_first":
+        algos = algos[:1]
+    timed = []
+    for algo in algos:
+        got = lt(algo, x, weight_t, out).float()
+        error = ((got - expected).norm() / expected.norm()).item()
+        if not error < MAX_REL_ERROR:
+            print(f"  {algo.label}: relative error {error:.2e}, skipped", flush=True)
+            continue
+        ms = graph_ms(lambda: lt(algo, x, weight_t, out), iters=iters, device=device, reps=4)
+        timed.append({"algo": algo.label, "index": algo.index, "ms": ms, "rel_error": error})
+    if not timed:
+        raise SystemExit(f"{method} {proj.name} rows {rows}: no algorithm within {MAX_REL_ERROR} of float32")
+    best = min(timed, key=lambda t: t["ms"])
+    return {"ms": best["ms"], "rel_error": best["rel_error"], "algo": best["algo"], "algos": timed}
+
+
 def measure(method: str, rows: int, proj: Projection, device, dtype, iters: int) -> dict:
     gen = torch.Generator(device=device).manual_seed(rows * 7 + proj.out_features)
     x = torch.randn(rows, proj.in_features, device=device, dtype=dtype, generator=gen)
     weight = torch.randn(proj.out_features, proj.in_features, device=device, dtype=dtype, generator=gen)
     weight /= proj.in_features ** 0.5
     expected = x.float() @ weight.float().t()
+    weight_bytes = weight.numel() * weight.element_size()
+    flops = 2 * rows * proj.in_features * proj.out_features
+    if method.startswith("lt_"):
+        r = measure_lt(method, rows, proj, x, weight, expected, device, iters)
+        return {"method": method, "rows": rows, "projection": proj.name, **r,
+                "weight_tbps": tbps(weight_bytes, r["ms"]), "tflops": flops / (r["ms"] * 1e-3) / 1e12}
     fn, library = gemm_fn(method, x, weight)
     if fn is None:
         return None
@@ -112,8 +146,6 @@ def measure(method: str, rows: int, proj: Projection, device, dtype, iters: int)
         if not error < MAX_REL_ERROR:
             raise SystemExit(f"{method} {proj.name} rows {rows}: relative error {error:.2e} against float32")
         ms = graph_ms(fn, iters=iters, device=device, reps=4)
-    weight_bytes = weight.numel() * weight.element_size()
-    flops = 2 * rows * proj.in_features * proj.out_features
     return {"method": method, "rows": rows, "projection": proj.name, "ms": ms, "rel_error": error,
             "weight_tbps": tbps(weight_bytes, ms), "tflops": flops / (ms * 1e-3) / 1e12}
 
@@ -157,8 +189,8 @@ def main() -> int:
     if device.type == "cpu" and not args.small:
         print("no CUDA device: run with --small for a CPU sanity run", file=sys.stderr)
         return 2
-    if device.type == "cpu" and "triton" in methods:
-        parser.error("--methods triton: inductor's Triton GEMM templates need a CUDA device")
+    if device.type == "cpu" and any(m == "triton" or m.startswith("lt_") for m in methods):
+        parser.error(f"--methods {','.join(methods)}: triton and lt_* need a CUDA device")
     if args.small:
         projs = projections(64, 160, 4, 2, 16, 2, 300)
         rows_list, iters, dtype = [3, 17], 2, torch.float32
@@ -176,7 +208,8 @@ def main() -> int:
                     line.append(f"{method} -")
                     continue
                 results.append(r)
-                line.append(f"{method} {r['ms'] * 1e3:8.1f} us {r['weight_tbps']:5.2f} TB/s {r['tflops']:6.1f} TF")
+                line.append(f"{method} {r['ms'] * 1e3:8.1f} us {r['weight_tbps']:5.2f} TB/s {r['tflops']:6.1f} TF"
+                            + (f" [{r['algo']} of {len(r['algos'])}]" if "algo" in r else ""))
             print("  |  ".join(line), flush=True)
     totals = step_totals(results, projs)
     for rows in rows_list:

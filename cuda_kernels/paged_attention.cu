@@ -23,6 +23,11 @@
 // shared memory at the end; with one split the CTA writes the output, otherwise it writes its
 // unnormalized (acc, max, sum) to an fp32 workspace and paged_decode_reduce combines the splits.
 //
+// The step's own K/V (new_k non-null): the CTAs of the split that holds a row's last token first
+// copy that token's K and V for their KV head from new_k / new_v into slots[b], then stream it
+// back with the rest. One launch fewer per layer and step than writing the cache beforehand; CTAs
+// of several query-head groups of one KV head write the same bytes, which is harmless.
+//
 // Compiled by NVRTC through CuPy: no standard headers, so fp16/bf16 conversions are inline PTX.
 
 typedef long long i64;
@@ -152,7 +157,9 @@ __device__ void paged_decode(
     const u64* __restrict__ chunk_ptrs, const int* __restrict__ block_tables, int table_stride,
     const int* __restrict__ seq_lens, const int* __restrict__ query_lens,
     int num_kv_heads, int group_size, int block_size_log2, int chunk_blocks, int num_blocks,
-    int layer, int max_tokens, int split_tokens, float scale_log2, int window) {
+    int layer, int max_tokens, int split_tokens, float scale_log2, const T* __restrict__ new_k,
+    const T* __restrict__ new_v, i64 k_token_stride, i64 k_head_stride, i64 v_token_stride,
+    i64 v_head_stride, const i64* __restrict__ slots, int window) {
     using S = DecodeShape<T, HEAD_DIM, GROUP, LOADS, ROWVECS>;
     constexpr int EPV = S::EPV, NV = S::NV, LPR = S::LPR, VPL = S::VPL, RPW = S::RPW;
     constexpr int ROUNDS = S::ROUNDS, TOK = S::TOK, SLOTS = S::SLOTS;
@@ -213,6 +220,23 @@ __device__ void paged_decode(
                         (i64)kv_head * HEAD_DIM;
         table[i] = reinterpret_cast<u64>(base);
     }
+    if (new_k != nullptr && t_end == n) {  // this row's new token lies in this split: write it first
+        const i64 slot = slots[b];
+        const i64 id = slot >> block_size_log2;
+        if (slot >= 0 && id < num_blocks) {
+            const i64 chunk = id / chunk_blocks;
+            T* k_dst = reinterpret_cast<T*>(chunk_ptrs[chunk]) +
+                       ((i64)(2 * layer) * chunk_blocks + (id - chunk * chunk_blocks)) * block_elems +
+                       (slot & (block_size - 1)) * token_stride + (i64)kv_head * HEAD_DIM;
+            const T* k_src = new_k + b * k_token_stride + kv_head * k_head_stride;
+            const T* v_src = new_v + b * v_token_stride + kv_head * v_head_stride;
+            for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
+                const T k = k_src[i], v = v_src[i];
+                k_dst[i] = k;
+                k_dst[v_offset + i] = v;
+            }
+        }
+    }
 
     // This lane's query elements, fp32, pre-scaled into the log2 domain. Missing heads are 0.
     float q[GROUP][VPL][EPV];
@@ -240,7 +264,7 @@ __device__ void paged_decode(
 #pragma unroll
             for (int e = 0; e < EPV; ++e) acc[g][k][e] = 0.f;
     }
-    __syncthreads();  // the table is complete
+    __syncthreads();  // the table is complete, the new token written
 
     // Copy step `s0` (tokens s0 .. s0 + TOK - 1 of this warp) into ring stage `stage`. Byte
     // addresses; a lane's slot (round r, vector k) is 16 bytes at ((r * VPL + k) * 32 + lane) * 16.
@@ -486,13 +510,17 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
             float* ws_ml, const u64* chunk_ptrs, const int* block_tables, int table_stride,    \
             const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
             int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
-            int split_tokens, float scale_log2) {                                              \
+            int split_tokens, float scale_log2, const T* new_k, const T* new_v,                \
+            i64 k_token_stride, i64 k_head_stride, i64 v_token_stride, i64 v_head_stride,      \
+            const i64* slots) {                                                                \
         paged_decode<T, D, G, L, S, V, false>(query, q_batch_stride, q_head_stride, out,       \
                                               ws_acc, ws_ml, chunk_ptrs, block_tables,         \
                                               table_stride, seq_lens, query_lens,              \
                                               num_kv_heads, group_size, block_size_log2,       \
                                               chunk_blocks, num_blocks, layer, max_tokens,     \
-                                              split_tokens, scale_log2, 0);                    \
+                                              split_tokens, scale_log2, new_k, new_v,          \
+                                              k_token_stride, k_head_stride, v_token_stride,   \
+                                              v_head_stride, slots, 0);                        \
     }
 
 // The same with a sliding window: the name ends in _w and `window` comes last.
@@ -503,13 +531,17 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
             float* ws_ml, const u64* chunk_ptrs, const int* block_tables, int table_stride,    \
             const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
             int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
-            int split_tokens, float scale_log2, int window) {                                  \
+            int split_tokens, float scale_log2, const T* new_k, const T* new_v,                \
+            i64 k_token_stride, i64 k_head_stride, i64 v_token_stride, i64 v_head_stride,      \
+            const i64* slots, int window) {                                                    \
         paged_decode<T, D, G, L, S, V, true>(query, q_batch_stride, q_head_stride, out,        \
                                              ws_acc, ws_ml, chunk_ptrs, block_tables,          \
                                              table_stride, seq_lens, query_lens,               \
                                              num_kv_heads, group_size, block_size_log2,        \
                                              chunk_blocks, num_blocks, layer, max_tokens,      \
-                                             split_tokens, scale_log2, window);                \
+                                             split_tokens, scale_log2, new_k, new_v,           \
+                                             k_token_stride, k_head_stride, v_token_stride,    \
+                                             v_head_stride, slots, window);                    \
     }
 
 // The shipped configuration per head size: l4s3v1 (4 CTAs of 4 warps fit one H200 SM).

@@ -333,3 +333,94 @@ def test_fp32_prefill_says_why_it_cannot_use_flash(caplog):
     with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
         paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)
     assert any("masked SDPA: flash attention takes fp16/bf16" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ the decode kernel's own write
+def last_slots(tables, seq_lens, block_size) -> torch.Tensor:
+    """Each row's slot for its seq_lens-th token (-1 for an empty row), as the engine maps them."""
+    slots = []
+    for b, n in enumerate(seq_lens.tolist()):
+        slots.append(-1 if n == 0 else int(tables[b, (n - 1) // block_size]) * block_size + (n - 1) % block_size)
+    return torch.tensor(slots, dtype=torch.int64, device="cuda")
+
+
+def strided_new_kv(rows, kv_heads, head_dim, dtype, seed) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys and values [rows, kv_heads, head_dim] as views with strides of their own, as a model's
+    q/k/v split hands them over."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    packed = torch.randn(rows, 2, kv_heads + 1, head_dim, generator=gen, device="cuda").to(dtype)
+    return packed[:, 0, :kv_heads], packed[:, 1, 1:]
+
+
+@pytest.mark.parametrize("launch", [
+    {"max_split_blocks": 4096, "min_split_tokens": 1 << 30},  # one split
+    {"min_split_tokens": 16, "split_overhead_tokens": 0},  # many: only the last one writes
+])
+@pytest.mark.parametrize("group", [1, 4, 12])  # 12: two CTAs of 8 and 4 query heads write the same bytes
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_kernel_writes_the_new_token_then_attends_it(launch, group, window, dtype):
+    """new_kv: the cache ends bit for bit as cache_ops.write_slots leaves it, the output is the one
+    attention over that cache gives, on the kernel and on the fallback."""
+    from ponytail.attention.decode import NewTokenKV
+    from ponytail.kv import cache_ops
+
+    lengths, kv_heads, head_dim, layer = [1, 15, 16, 17, 700, 2000, 0], 2, 128 if dtype != torch.float32 else 64, 1
+    storage, tables, seq_lens = make_batch(lengths, kv_heads, head_dim, dtype, seed=group)
+    slots = last_slots(tables, seq_lens, storage.config.block_size)
+    keys, values = strided_new_kv(len(lengths), kv_heads, head_dim, dtype, seed=group + 1)
+    query = torch.randn(len(lengths), kv_heads * group, 1, head_dim, device="cuda").to(dtype)
+    scale = 1 / math.sqrt(head_dim)
+    before = [chunk.clone() for chunk in storage.chunks]
+    old = dict(decode.LAUNCH)
+    decode.LAUNCH.update(launch)
+    try:
+        with kernels("cupy"):
+            fused = paged_attention(storage, layer, query, tables, seq_lens, None, scale, sliding_window=window,
+                                    new_kv=NewTokenKV(keys, values, slots))
+            written = [chunk.clone() for chunk in storage.chunks]
+            for chunk, saved in zip(storage.chunks, before):
+                chunk.copy_(saved)
+            cache_ops.write_slots(storage, keys[None], values[None], slots, layer)
+            plain = paged_attention(storage, layer, query, tables, seq_lens, None, scale, sliding_window=window)
+    finally:
+        decode.LAUNCH.clear()
+        decode.LAUNCH.update(old)
+    assert all(torch.equal(a, b) for a, b in zip(written, storage.chunks)), "the cache differs from write_slots'"
+    assert not all(torch.equal(a, b) for a, b in zip(written, before)), "nothing was written"
+    assert torch.equal(fused, plain)
+    ref = reference(storage, layer, query, tables, seq_lens, None, scale, window)
+    assert rel(fused, ref) < TOLERANCE[dtype]
+    for chunk, saved in zip(storage.chunks, before):
+        chunk.copy_(saved)
+    with kernels("torch"):
+        fallback = paged_attention(storage, layer, query, tables, seq_lens, None, scale, sliding_window=window,
+                                   new_kv=NewTokenKV(keys, values, slots))
+    assert all(torch.equal(a, b) for a, b in zip(written, storage.chunks)), "the fallback's cache differs"
+    assert rel(fallback, ref) < TOLERANCE[dtype]
+
+
+def test_decode_kernel_write_replays_in_a_cuda_graph_with_new_keys():
+    from ponytail.attention.decode import NewTokenKV
+
+    storage, tables, seq_lens = make_batch([40, 3000, 0], kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    slots = last_slots(tables, seq_lens, storage.config.block_size)
+    keys, values = strided_new_kv(3, 2, 128, torch.bfloat16, seed=5)
+    query = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    new_kv = NewTokenKV(keys, values, slots)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_attention(storage, 0, query, tables, seq_lens, None, 0.1, new_kv=new_kv)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1, new_kv=new_kv)
+    keys.copy_(torch.randn_like(keys))
+    values.copy_(torch.randn_like(values))
+    graph.replay()
+    torch.cuda.synchronize()
+    expected = paged_attention(storage, 0, query, tables, seq_lens, None, 0.1)  # the cache holds the new K/V now
+    assert torch.equal(captured, expected)
+    row = storage.read_tokens(tables[1].tolist()[: -(-3000 // 16)], 3000)  # [layers, 2, tokens, Hkv, D]
+    assert torch.equal(row[0, 0, -1], keys[1]) and torch.equal(row[0, 1, -1], values[1])

@@ -348,3 +348,45 @@ def test_unsupported_head_size_is_a_logged_fallback_not_a_silent_one(monkeypatch
                               batch.seq_lens, None, 0.1)
     assert out.shape == (1, 2, 1, 72)
     assert any("paged_attention decode: fallback" in r.getMessage() for r in caplog.records)
+
+
+def test_new_kv_is_written_before_the_decode_rows_attend():
+    """new_kv on the fallback: the rows' last token comes from new_kv, not from what the cache held."""
+    from ponytail.attention.decode import NewTokenKV
+
+    batch = Batch([1, 17, 40, 0], kv_heads=2, head_dim=64, block_size=4, seed=3)
+    layer, size = 1, batch.cache.config.block_size
+    gen = torch.Generator().manual_seed(4)
+    keys, values = torch.randn(4, 2, 64, generator=gen), torch.randn(4, 2, 64, generator=gen)
+    slots = []
+    for b, n in enumerate(batch.lengths):
+        table = batch.cache.block_table(b)
+        slots.append(-1 if n == 0 else table[(n - 1) // size] * size + (n - 1) % size)
+        if n:
+            batch.keys[b][layer, n - 1], batch.values[b][layer, n - 1] = keys[b], values[b]
+    query = torch.randn(4, 6, 1, 64, generator=gen)
+    with kernels("torch"):
+        out = paged_attention(batch.storage, layer, query, batch.block_tables, batch.seq_lens, None, 0.125,
+                              new_kv=NewTokenKV(keys, values, torch.tensor(slots)))
+    assert rel_error(out, naive_attention(batch, layer, query, None, 0.125)) < TOLERANCE[torch.float32]
+
+
+def test_new_kv_must_be_one_token_per_row_shaped_as_the_cache(small):
+    from ponytail.attention.decode import NewTokenKV
+
+    rows = small.seq_lens.shape[0]
+    kv = torch.zeros(rows, 2, 64)
+    slots = torch.full((rows,), -1)
+    query = torch.randn(rows, 4, 1, 64)
+    call = lambda new_kv, q=query: paged_attention(small.storage, 0, q, small.block_tables,  # noqa: E731
+                                                   small.seq_lens, None, 0.125, new_kv=new_kv)
+    with pytest.raises(KernelError, match=rf"new_kv.keys must be \[{rows} rows, 2 kv heads, 64 head_dim\], got \(1, 2, 64\)"):
+        call(NewTokenKV(kv[:1], kv, slots))
+    with pytest.raises(KernelError, match=r"new_kv.values must be torch.float32 on cpu, got torch.float16"):
+        call(NewTokenKV(kv, kv.half(), slots))
+    with pytest.raises(KernelError, match=r"new_kv.keys must have a contiguous head_dim"):
+        call(NewTokenKV(torch.zeros(rows, 2, 64 * 2)[:, :, ::2], kv, slots))
+    with pytest.raises(KernelError, match=rf"new_kv.slots must be int64 \[{rows}\] on cpu, got torch.int32"):
+        call(NewTokenKV(kv, kv, slots.int()))
+    with pytest.raises(KernelError, match=r"new_kv takes one query position per row \(decode\), got 3"):
+        call(NewTokenKV(kv, kv, slots), torch.randn(rows, 4, 3, 64))

@@ -89,3 +89,21 @@ def check_window(window) -> None:
         raise KernelError(f"sliding_window={window!r} must be None or a positive int (the positions a query "
                           "attends, its own included)")
 
+
+def check_new_kv(storage: PagedKVStorage, new_kv, batch: int, positions: int) -> None:
+    """new_kv (decode.NewTokenKV): one token per row, shaped and placed as the cache stores it."""
+    c = storage.config
+    if positions != 1:
+        raise KernelError(f"new_kv takes one query position per row (decode), got {positions}")
+    for name, t in (("keys", new_kv.keys), ("values", new_kv.values)):
+        if tuple(t.shape) != (batch, c.num_kv_heads, c.head_dim):
+            raise KernelError(f"new_kv.{name} must be [{batch} rows, {c.num_kv_heads} kv heads, {c.head_dim} head_dim], "
+                              f"got {tuple(t.shape)}")
+        if t.dtype != c.dtype or t.device != storage.device:
+            raise KernelError(f"new_kv.{name} must be {c.dtype} on {storage.device}, got {t.dtype} on {t.device}")
+        if c.head_dim > 1 and t.stride(-1) != 1:
+            raise KernelError(f"new_kv.{name} must have a contiguous head_dim (stride 1), got strides {t.stride()}")
+    slots = new_kv.slots
+    if slots.dtype != torch.int64 or slots.device != storage.device or tuple(slots.shape) != (batch,):
+        raise KernelError(f"new_kv.slots must be int64 [{batch}] on {storage.device}, got "
+                          f"{slots.dtype} {tuple(slots.shape)} on {slots.device}")

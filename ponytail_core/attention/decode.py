@@ -25,7 +25,7 @@ WINDOWED = ("PONYTAIL_WINDOWED",)  # the define that compiles paged_attention.cu
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LOG2E = 1.4426950408889634
 
-# Launch tunables, read by the launches below and nowhere else.
+# Launch tunables, read in this module and nowhere else.
 LAUNCH = {
     "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
     # The next three are compiled into the kernel names (..._l4s3v1); paged_attention.cu ships
@@ -46,7 +46,15 @@ LAUNCH = {
     # the plans of 1, 2 or 4 (docs/benchmarks.md, thirty-second session), and mixed, whose 192-256-row
     # decode graphs planned 3 splits of the 8k table, ran 0.3-0.5% faster with it (thirty-fifth).
     "pow2_splits": 1,
+    # 1: an engine step's decode rows hand their new K/V to the decode kernel, which writes them (one
+    # launch fewer per layer and step); 0: cache_ops.write_slots writes them before it runs.
+    "write_new_token": 1,
 }
+
+
+def writes_new_token() -> bool:
+    """Whether the engine hands the decode rows' new K/V to the kernel (LAUNCH["write_new_token"])."""
+    return bool(LAUNCH["write_new_token"])
 
 
 
@@ -135,6 +143,19 @@ def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blo
 
 
 @dataclass(frozen=True, slots=True)
+class NewTokenKV:
+    """Each decode row's new token, for the kernel to write into the cache before it attends (one
+    launch fewer per layer than cache_ops.write_slots first). keys / values [rows, kv_heads,
+    head_dim] (head_dim contiguous, any other strides, the cache's dtype); slots int64 [rows], the
+    token's slot (-1: nothing written). A row's slot must be where its seq_lens-th token goes (the
+    kernel reads it back from there), and -1 where seq_lens is 0."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    slots: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
 class DecodePlan:
     kernel_name: str  # paged_decode_<dtype>_d<head_dim>_g<group>_l<loads>s<stages>v<row vectors>
     group: int  # query heads per CTA (a power of two; heads past the GQA ratio idle)
@@ -172,8 +193,9 @@ def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int
 
 
 def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale,
-                window: int | None = None) -> torch.Tensor:
-    """window: attend each row's last `window` tokens (the `_w` kernels)."""
+                window: int | None = None, new_kv: NewTokenKV | None = None) -> torch.Tensor:
+    """window: attend each row's last `window` tokens (the `_w` kernels). new_kv: the rows' new
+    token, which the kernel writes into the cache before it attends (see NewTokenKV)."""
     c = storage.config
     batch, heads, _, head_dim = query.shape
     device = storage.device
@@ -191,6 +213,12 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
         ws_ml = torch.empty((batch, heads, plan.splits, 2), dtype=torch.float32, device=device)
     ptr = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
     lengths = (ptr(seq_lens), ptr(query_lens))
+    if new_kv is None:
+        writes = (np.uint64(0), np.uint64(0), np.int64(0), np.int64(0), np.int64(0), np.int64(0), np.uint64(0))
+    else:
+        k, v = new_kv.keys, new_kv.values
+        writes = (ptr(k), ptr(v), np.int64(k.stride(0)), np.int64(k.stride(1)), np.int64(v.stride(0)),
+                  np.int64(v.stride(1)), ptr(new_kv.slots))
     with kernel_loader.on_torch_stream(device):
         kernel((plan.splits, c.num_kv_heads * plan.groups, batch), (plan.threads,), (
             ptr(query), np.int64(query.stride(0)), np.int64(query.stride(1)), ptr(out),
@@ -198,7 +226,7 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
             np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
             np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
             np.int32(storage.chunk_blocks), np.int32(storage.address_blocks), np.int32(layer),
-            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E), *windowed),
+            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E), *writes, *windowed),
             shared_mem=plan.smem_bytes)
         if plan.splits > 1:
             name = f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}" + ("" if window is None else "_w")

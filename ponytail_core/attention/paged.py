@@ -34,9 +34,10 @@ import torch
 
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
+from ..kv import cache_ops
 from ..kv.storage import PagedKVStorage
-from .checks import check_args, check_query, check_rows, check_values, check_window
-from .decode import decode_choice, decode_cupy
+from .checks import check_args, check_new_kv, check_query, check_rows, check_values, check_window
+from .decode import NewTokenKV, decode_choice, decode_cupy
 from .flash import flash_varlen_problem
 from .prefill_cupy import flash_over_cache, prefill_flash_padded, prefill_sdpa
 from .torch_fallback import attention_torch
@@ -45,7 +46,7 @@ from .torch_varlen import attention_torch_planned, plan_torch_attention
 
 def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_lens: torch.Tensor | None, scale: float,
-                    sliding_window: int | None = None) -> torch.Tensor:
+                    sliding_window: int | None = None, new_kv: NewTokenKV | None = None) -> torch.Tensor:
     """Attention of `query` [B, Hq, T, D] over layer `layer` of the cache; returns [B, Hq, T, D].
 
     block_tables [B, max_blocks] int32 lists each row's block ids in order (entries past the
@@ -53,10 +54,14 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     included; query_lens [B] int32 or None counts its real (right-aligned) query positions.
     Query heads h use KV head h // (Hq // kv_heads). See the module docstring for the semantics.
     sliding_window: each query attends only the last that many positions up to its own.
+    new_kv (one query position per row): the rows' new tokens, written into the cache first; the
+    decode kernel does it in its own launch, the other paths with cache_ops.write_slots.
     """
     check_args(storage, layer, query, block_tables, seq_lens, query_lens, scale)
     check_window(sliding_window)
     batch, _, positions, head_dim = query.shape
+    if new_kv is not None:
+        check_new_kv(storage, new_kv, batch, positions)
     choice = kernel_loader.choose(storage.device)
     op = "paged_attention decode" if positions == 1 else "paged_attention prefill"
     flash = False
@@ -71,10 +76,12 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
     if batch == 0:
         return torch.empty_like(query)
     args = (storage, layer, query, block_tables, seq_lens, query_lens, float(scale), sliding_window)
+    if choice.use_custom and positions == 1:
+        return decode_cupy(*args, new_kv=new_kv)
+    if new_kv is not None:
+        cache_ops.write_slots(storage, new_kv.keys[None], new_kv.values[None], new_kv.slots, layer)
     if not choice.use_custom:
         return attention_torch(*args)
-    if positions == 1:
-        return decode_cupy(*args)
     if flash:
         return prefill_flash_padded(*args)
     return prefill_sdpa(*args)

@@ -7,6 +7,9 @@ chunked prefill, recompute, prefix hits) to the varlen path, each chunk against 
 context. When no chunk has context (every chunk starts its sequence) they attend the step's own
 K/V instead (chunks.py), without reading the blocks back. On the torch path (the CPU) every row
 that reads the blocks goes through one plan per step (attention/torch_varlen.py), unpadded.
+
+On CUDA the decode kernel writes the decode rows' new K/V itself (attention/decode.py's
+NewTokenKV, LAUNCH["write_new_token"]); the prefill chunks' go through cache_ops.write_slots.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
+from ..attention.decode import NewTokenKV, writes_new_token
 from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
 from ..attention.torch_varlen import SlotWrites, TorchAttentionPlan, attention_torch_planned, plan_torch_attention
@@ -80,8 +84,15 @@ class PackedStepCache(PagedCacheBase):
             self._plans = {}
             self._writes = SlotWrites(self.paged.storage, step.slot_mapping) if self._torch_path else None
         window = self.window(sliding_window)
+        new_kv = None  # the decode rows' K/V, when the decode kernel writes them
         if self._writes is not None:
             self._writes.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
+        elif step.decode is not None and writes_new_token():
+            rows = step.decode.rows
+            new_kv = NewTokenKV(key[0, :, :rows].transpose(0, 1), value[0, :, :rows].transpose(0, 1),
+                                step.slot_mapping[:rows])
+            if step.prefill is not None:
+                self.write_new_kv(layer_idx, key[:, :, rows:], value[:, :, rows:], step.slot_mapping[rows:])
         else:
             self.write_new_kv(layer_idx, key, value, step.slot_mapping)
         q_tok = query[0].transpose(0, 1)  # [N, Hq, D]
@@ -98,8 +109,8 @@ class PackedStepCache(PagedCacheBase):
                 decode_out = attention_torch_planned(storage, layer_idx, q_tok[:rows], self._plan(None), scale)
             else:
                 q = q_tok[:rows].unsqueeze(2)  # [rows, Hq, 1, D], a view
-                decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables,
-                                             step.decode.seq_lens, None, scale, sliding_window=window)[:, :, 0]
+                decode_out = paged_attention(storage, layer_idx, q, step.decode.block_tables, step.decode.seq_lens,
+                                             None, scale, sliding_window=window, new_kv=new_kv)[:, :, 0]
         if chunks is None:
             return decode_out.unsqueeze(0)
         # Without decode rows the kernel's own output is the answer; with them the prefill rows are
