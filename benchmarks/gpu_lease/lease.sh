@@ -49,7 +49,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu
 git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/tree.txt" 2>/dev/null
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
 # A second lease.sh in the same lease (other STEPS) keeps what the first one built.
-needs_models=0; for step in $STEPS; do [ "$step" != attn ] && needs_models=1; done
+# The tests build their own models: only the benchmarks read the random checkpoints.
+needs_models=0; for step in $STEPS; do case $step in attn|gemm|suite) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f /tmp/ponytail-7b-random/config.json ]; then
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
