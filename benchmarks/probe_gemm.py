@@ -14,7 +14,7 @@ gate/up, down) and the LM head, at each row count, this times:
   triton          inductor's max-autotune Triton GEMM templates for this exact shape (slow to build:
                   off unless --methods names it)
   lt_best         cuBLASLt on the column-major weight (what the engine runs) by every algorithm its
-                  heuristic lists (kernels/cublaslt.py): the fastest, with its rank; lt_first is rank 0
+                  heuristic lists (cublaslt.py): the fastest, with its rank; lt_first is rank 0
                   through the same binding, which should time as transposed_lt
   skinny          ponytail's skinny GEMM kernel (kernels/skinny_gemm.py) on the column-major weight,
                   at most 16 rows; skinny_s4_u2_c3 fixes its launch (splits 4, unroll 2, the
@@ -102,7 +102,7 @@ def gemm_fn(method: str, x: torch.Tensor, weight: torch.Tensor):
 
 def measure_lt(method: str, rows: int, proj: Projection, x, weight, expected, device, iters: int) -> dict:
     """lt_best / lt_first: every algorithm cuBLASLt's heuristic lists for this product, checked and timed."""
-    from ponytail.kernels.cublaslt import LtLinear
+    from cublaslt import LtLinear
 
     lt = LtLinear(rows, proj.in_features, proj.out_features, x.dtype, device)
     weight_t = weight.t().contiguous()

@@ -1,9 +1,18 @@
-"""cuBLASLt by a chosen algorithm (kernels/cublaslt.py) against float32 products, on CUDA."""
+"""cuBLASLt by a chosen algorithm (benchmarks/cublaslt.py, probe_gemm's lt_* methods) against float32
+products, on CUDA."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from cublaslt import LtLinear  # noqa: E402
+
+sys.path.remove(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs a CUDA device")
 
@@ -13,8 +22,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="cuBLASLt needs 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows,in_features,out_features", [(1, 256, 384), (64, 512, 1024), (100, 1024, 256)])
 def test_every_listed_algorithm_computes_the_product(dtype, rows, in_features, out_features):
-    from ponytail.kernels.cublaslt import LtLinear
-
     device = torch.device("cuda")
     gen = torch.Generator(device=device).manual_seed(rows)
     x = torch.randn(rows, in_features, device=device, dtype=dtype, generator=gen)
@@ -34,8 +41,6 @@ def test_every_listed_algorithm_computes_the_product(dtype, rows, in_features, o
 @cuda
 @pytest.mark.gpu
 def test_wrong_shapes_and_layouts_are_refused_with_what_was_expected():
-    from ponytail.kernels.cublaslt import LtLinear
-
     device = torch.device("cuda")
     lt = LtLinear(4, 64, 128, torch.bfloat16, device)
     algo = lt.algorithms()[0]
