@@ -380,7 +380,8 @@ def test_new_kv_must_be_one_token_per_row_shaped_as_the_cache(small):
     query = torch.randn(rows, 4, 1, 64)
     call = lambda new_kv, q=query: paged_attention(small.storage, 0, q, small.block_tables,  # noqa: E731
                                                    small.seq_lens, None, 0.125, new_kv=new_kv)
-    with pytest.raises(KernelError, match=rf"new_kv.keys must be \[{rows} rows, 2 kv heads, 64 head_dim\], got \(1, 2, 64\)"):
+    shape = rf"new_kv.keys must be \[{rows} rows, 2 kv heads, 64 head_dim\], got \(1, 2, 64\)"
+    with pytest.raises(KernelError, match=shape):
         call(NewTokenKV(kv[:1], kv, slots))
     with pytest.raises(KernelError, match=r"new_kv.values must be torch.float32 on cpu, got torch.float16"):
         call(NewTokenKV(kv, kv.half(), slots))

@@ -97,8 +97,8 @@ def check_new_kv(storage: PagedKVStorage, new_kv, batch: int, positions: int) ->
         raise KernelError(f"new_kv takes one query position per row (decode), got {positions}")
     for name, t in (("keys", new_kv.keys), ("values", new_kv.values)):
         if tuple(t.shape) != (batch, c.num_kv_heads, c.head_dim):
-            raise KernelError(f"new_kv.{name} must be [{batch} rows, {c.num_kv_heads} kv heads, {c.head_dim} head_dim], "
-                              f"got {tuple(t.shape)}")
+            raise KernelError(f"new_kv.{name} must be [{batch} rows, {c.num_kv_heads} kv heads, "
+                              f"{c.head_dim} head_dim], got {tuple(t.shape)}")
         if t.dtype != c.dtype or t.device != storage.device:
             raise KernelError(f"new_kv.{name} must be {c.dtype} on {storage.device}, got {t.dtype} on {t.device}")
         if c.head_dim > 1 and t.stride(-1) != 1:
