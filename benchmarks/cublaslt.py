@@ -91,6 +91,12 @@ def _handle(device_index: int) -> ctypes.c_void_p:
     return handle
 
 
+@functools.cache
+def _workspace(device: torch.device) -> torch.Tensor:
+    """One workspace per device, shared by every product (the probe runs them one at a time)."""
+    return torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 class LtLinear:
     """out = x @ weight_t for one shape (rows, in, out) and dtype, by any algorithm of its list."""
 
@@ -113,7 +119,7 @@ class LtLinear:
         limit = ctypes.c_uint64(WORKSPACE_BYTES)
         _check(lib.cublasLtMatmulPreferenceSetAttribute(self._pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(limit),
                                                         ctypes.sizeof(limit)), "PreferenceSetAttribute")
-        self.workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.workspace = _workspace(device)
         self._alpha, self._beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
     def algorithms(self, count: int = 32) -> list[LtAlgo]:

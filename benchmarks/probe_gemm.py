@@ -131,12 +131,8 @@ def measure(method: str, rows: int, proj: Projection, device, dtype, iters: int)
     weight = torch.randn(proj.out_features, proj.in_features, device=device, dtype=dtype, generator=gen)
     weight /= proj.in_features ** 0.5
     expected = x.float() @ weight.float().t()
-    weight_bytes = weight.numel() * weight.element_size()
-    flops = 2 * rows * proj.in_features * proj.out_features
     if method.startswith("lt_"):
-        r = measure_lt(method, rows, proj, x, weight, expected, device, iters)
-        return {"method": method, "rows": rows, "projection": proj.name, **r,
-                "weight_tbps": tbps(weight_bytes, r["ms"]), "tflops": flops / (r["ms"] * 1e-3) / 1e12}
+        return result(method, rows, proj, weight, **measure_lt(method, rows, proj, x, weight, expected, device, iters))
     fn, library = gemm_fn(method, x, weight)
     if fn is None:
         return None
@@ -146,8 +142,14 @@ def measure(method: str, rows: int, proj: Projection, device, dtype, iters: int)
         if not error < MAX_REL_ERROR:
             raise SystemExit(f"{method} {proj.name} rows {rows}: relative error {error:.2e} against float32")
         ms = graph_ms(fn, iters=iters, device=device, reps=4)
-    return {"method": method, "rows": rows, "projection": proj.name, "ms": ms, "rel_error": error,
-            "weight_tbps": tbps(weight_bytes, ms), "tflops": flops / (ms * 1e-3) / 1e12}
+    return result(method, rows, proj, weight, ms=ms, rel_error=error)
+
+
+def result(method: str, rows: int, proj: Projection, weight: torch.Tensor, *, ms: float, **fields) -> dict:
+    """One measurement's row: its time, the weight's streaming rate and the multiply-adds' rate."""
+    flops = 2 * rows * proj.in_features * proj.out_features
+    return {"method": method, "rows": rows, "projection": proj.name, "ms": ms, **fields,
+            "weight_tbps": tbps(weight.numel() * weight.element_size(), ms), "tflops": flops / (ms * 1e-3) / 1e12}
 
 
 def step_totals(results: list[dict], projs: list[Projection]) -> dict:

@@ -57,8 +57,6 @@ def writes_new_token() -> bool:
     return bool(LAUNCH["write_new_token"])
 
 
-
-
 def decode_choice(choice: kernel_loader.KernelChoice, head_dim: int) -> kernel_loader.KernelChoice:
     if not choice.use_custom or head_dim in DECODE_HEAD_DIMS:
         return choice
