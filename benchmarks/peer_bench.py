@@ -219,13 +219,14 @@ def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
             continue
-        try:
+        try:  # fake tensors left by torch.compile have a storage but no data pointer (lease 67)
             storage = obj.untyped_storage()
+            pointer = storage.data_ptr()
         except (NotImplementedError, RuntimeError):  # no storage to read (opaque, e.g. mkldnn; fake tensors)
             continue
-        if storage.data_ptr() not in weights and obj.numel() >= storages.get(storage.data_ptr(), (-1,))[0]:
+        if pointer not in weights and obj.numel() >= storages.get(pointer, (-1,))[0]:
             dtype = str(obj.dtype).removeprefix("torch.")
-            storages[storage.data_ptr()] = (obj.numel(), tuple(obj.shape), dtype, storage.nbytes())
+            storages[pointer] = (obj.numel(), tuple(obj.shape), dtype, storage.nbytes())
     total, count = {}, {}
     for _, shape, dtype, nbytes in storages.values():
         total[shape, dtype] = total.get((shape, dtype), 0) + nbytes
