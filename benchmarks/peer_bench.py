@@ -27,6 +27,7 @@ import torch
 import yaml
 from rich.console import Console
 from rich.table import Table
+from torch._subclasses.fake_tensor import FakeTensor
 
 import ponytail
 from ponytail import SamplingParams
@@ -217,9 +218,11 @@ def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages = {}  # data pointer -> (elements, shape, dtype, bytes) of its largest view
     for obj in gc.get_objects():
-        if not isinstance(obj, torch.Tensor) or obj.device.type != device_type:
+        # torch.compile leaves fake tensors alive: no memory of their own, and a data pointer that
+        # warns (0) or raises (lease 67 stopped there)
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.device.type != device_type:
             continue
-        try:  # fake tensors left by torch.compile have a storage but no data pointer (lease 67)
+        try:
             storage = obj.untyped_storage()
             pointer = storage.data_ptr()
         except (NotImplementedError, RuntimeError):  # no storage to read (opaque, e.g. mkldnn; fake tensors)

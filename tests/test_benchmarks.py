@@ -11,10 +11,12 @@ import shutil
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -336,13 +338,19 @@ def test_largest_live_tensors_leaves_the_weights_out_and_counts_each_storage_onc
     also = torch.zeros(10, dtype=torch.float64)
     view = held[0][:10]  # the same storage as held[0]: not counted again
     opaque = torch.zeros(4, 4).to_mkldnn() if torch.backends.mkldnn.is_available() else None  # no storage: left out
-    largest = peer_bench.largest_live_tensors(model, "cpu", top=50)
+    with FakeTensorMode():  # what torch.compile leaves alive: no memory, a data pointer that warns or raises
+        fake = torch.zeros(3000)
+    with warnings.catch_warnings():
+        # reading the fake tensor's data pointer would warn (torch 2.13) or raise (2.11 on CUDA)
+        warnings.filterwarnings("error", message=".*data pointer of FakeTensor")
+        largest = peer_bench.largest_live_tensors(model, "cpu", top=50)
     mine = [t for t in largest if (t["shape"], t["dtype"]) in (([1000], "float32"), ([10], "float64"))]
     assert {"shape": [1000], "dtype": "float32", "bytes": 8000, "tensors": 2} in mine
     assert {"shape": [10], "dtype": "float64", "bytes": 80, "tensors": 1} in mine
     assert not any(t["shape"] == [64, 64] for t in largest)  # the weights
+    assert not any(t["shape"] == [3000] for t in largest)  # the fake tensor
     assert largest == sorted(largest, key=lambda t: t["bytes"], reverse=True)
-    del held, also, view, opaque
+    del held, also, view, opaque, fake
 
 
 def test_bench_engine_refuses_unknown_peers_before_loading_a_model():
