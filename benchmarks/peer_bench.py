@@ -225,7 +225,7 @@ def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
         try:
             storage = obj.untyped_storage()
             pointer = storage.data_ptr()
-        except (NotImplementedError, RuntimeError):  # no storage to read (opaque, e.g. mkldnn; fake tensors)
+        except (NotImplementedError, RuntimeError):  # no storage to read (opaque tensors, e.g. mkldnn)
             continue
         if pointer not in weights and obj.numel() >= storages.get(pointer, (-1,))[0]:
             dtype = str(obj.dtype).removeprefix("torch.")
