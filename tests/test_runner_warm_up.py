@@ -37,7 +37,9 @@ def test_warm_up_writes_nothing_and_changes_no_output(small_model, caplog):
     with caplog.at_level(logging.INFO, logger="ponytail.engine"):
         runner.warm_up()
     assert "warm-up over dummy prompt chunks (prompt attention 'flash') in" in caplog.text
-    assert calls == [sum(n for _, n in rows) for rows in model_runner.WARM_UP_STEPS]  # every step fits 256
+    # The largest step first (the scheduler's biggest budget: 128 on the CPU), then every small one (all fit 256).
+    assert runner.max_step_tokens == 128
+    assert calls == [128] + [sum(n for _, n in rows) for rows in model_runner.WARM_UP_STEPS]
     assert cache.stats().free_blocks == free_before
     for old, new in zip(kv_before, cache.storage.chunks, strict=True):
         assert torch.equal(old.view(torch.uint8), new.view(torch.uint8))  # bitwise: slots -1 write nothing
@@ -53,7 +55,19 @@ def test_warm_up_skips_steps_longer_than_the_model_length(small_model):
         ids, positions, sample_at)
     llm.engine.runner.warm_up()
     assert calls and max(calls) < 64
-    assert len(calls) == sum(max(c + n for c, n in rows) <= 64 for rows in model_runner.WARM_UP_STEPS)
+    assert len(calls) == 1 + sum(max(c + n for c, n in rows) <= 64 for rows in model_runner.WARM_UP_STEPS)
+
+
+def test_the_warm_up_starts_with_the_largest_step_cut_into_prompts_the_model_takes():
+    small = [rows for rows in model_runner.WARM_UP_STEPS if max(c + n for c, n in rows) <= 100]
+    assert model_runner.warm_up_steps(250, 100) == [((0, 100), (0, 100), (0, 50))] + small
+    assert model_runner.warm_up_steps(16384, 32768) == [((0, 16384),), *model_runner.WARM_UP_STEPS]
+    assert model_runner.warm_up_steps(0, 256) == list(model_runner.WARM_UP_STEPS)  # no budget given: small ones only
+
+
+def test_the_engine_warms_up_at_its_largest_budget(small_model):
+    llm = make_llm(small_model, max_num_batched_tokens=96, prefill_only_batched_tokens=200)
+    assert llm.engine.runner.max_step_tokens == 200
 
 
 @pytest.mark.parametrize("varlen, hint", [("fa4", True), ("flash", False)])

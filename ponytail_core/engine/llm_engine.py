@@ -88,7 +88,9 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.cache = cache
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  cuda_graphs=cuda_graphs, compile_model=compile_model, **runner_options)
+                                  cuda_graphs=cuda_graphs, compile_model=compile_model,
+                                  max_step_tokens=max(max_num_batched_tokens, prefill_only_batched_tokens or 0),
+                                  **runner_options)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
                                    prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead,
                                    policy=scheduling_policy, prefill_only_batched_tokens=prefill_only_batched_tokens)

@@ -28,6 +28,24 @@ logger = logging.getLogger("ponytail.engine")
 WARM_UP_STEPS = (((0, 8), (0, 24)), ((0, 16), (0, 160)), ((40, 8),), ((40, 8), (24, 160)))
 
 
+def warm_up_steps(max_step_tokens: int, max_model_len: int) -> list[tuple[tuple[int, int], ...]]:
+    """warm_up's steps: first one of max_step_tokens new tokens (prompts of at most max_model_len),
+    then those of WARM_UP_STEPS that fit max_model_len.
+
+    The largest step goes first because inductor sizes each compiled kernel's launch configuration
+    by the call that compiles it and keeps it for every later size. Compiled at the small steps'
+    32 tokens, the prefill steps' SiLU x up and residual adds ran at 2.4-2.7 TB/s instead of 3.05
+    on an H100 (benchmarks/probe_index_dtype.py, docs/benchmarks.md); vLLM's start-up likewise runs
+    its full token budget first."""
+    largest = []
+    left = max_step_tokens
+    while left > 0:
+        largest.append((0, min(left, max_model_len)))
+        left -= largest[-1][1]
+    small = [rows for rows in WARM_UP_STEPS if max(context + new for context, new in rows) <= max_model_len]
+    return ([tuple(largest)] if largest else []) + small
+
+
 def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int]]:
     """(chunk, position) for each position whose logits score the next prompt token for a
     request that asked for prompt logprobs (the last prompt position samples instead)."""
@@ -46,14 +64,16 @@ class ModelRunner:
     compile_model: torch.compile the decoder layers around the attention call (compile.py);
     fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py);
     column_major_weights: projection weights stored column-major, GEMMs through cuBLASLt on CUDA (gemm_layout.py);
-    prefill_varlen: the prefill chunks' varlen kernel on CUDA, "flash" or "fa4" (attention/fa4.py)."""
+    prefill_varlen: the prefill chunks' varlen kernel on CUDA, "flash" or "fa4" (attention/fa4.py);
+    max_step_tokens: the most tokens the scheduler puts in one step, the warm-up's first step (warm_up_steps)."""
 
     def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
                  cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False,
-                 prefill_varlen: str = "flash", column_major_weights: bool = False):
+                 prefill_varlen: str = "flash", column_major_weights: bool = False, max_step_tokens: int = 0):
         self.model = model
         self.device = cache.config.device
         self.max_model_len = max_model_len
+        self.max_step_tokens = max_step_tokens
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
         if column_major_weights:  # before fusing, compiling and capture: all three keep or record the layout
             from .gemm_layout import column_major_weights as relayout, forward_through_cublaslt
@@ -140,15 +160,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Runs the model over WARM_UP_STEPS' dummy prompt chunks, writing nothing to the cache (every
+        """Runs the model over warm_up_steps' dummy prompt chunks, writing nothing to the cache (every
         slot is -1; context rows read block 0), so that what compiles at its first call compiles here,
         in LLM(), instead of inside the first requests' steps: FlashAttention-4's kernels (5-10 s
-        each) and the compiled layers' prompt shapes. A kernel that fails here fails at start-up,
-        naming the setting that chose it, rather than failing requests."""
+        each) and the compiled layers' prompt shapes, tuned at the largest step. A kernel that fails
+        here fails at start-up, naming the setting that chose it, rather than failing requests."""
         started = time.perf_counter()
-        for rows in WARM_UP_STEPS:
-            if max(context + new for context, new in rows) > self.max_model_len:
-                continue
+        for rows in warm_up_steps(self.max_step_tokens, self.max_model_len):
             positions = [p for context, new in rows for p in range(context, context + new)]
             tables = [[0] * cdiv(context + new, self.block_size) for context, new in rows]
             self.hf_cache.step = PackedStep(slot_mapping=self._tensor([-1] * len(positions), torch.int64), decode=None,
