@@ -35,7 +35,7 @@ def warm_up_steps(max_step_tokens: int, max_model_len: int) -> list[tuple[tuple[
     The largest step goes first because inductor sizes each compiled kernel's launch configuration
     by the call that compiles it and keeps it for every later size. Compiled at the small steps'
     32 tokens, the prefill steps' SiLU x up and residual adds ran at 2.4-2.7 TB/s instead of 3.05
-    on an H100 (benchmarks/probe_index_dtype.py, docs/benchmarks.md); vLLM's start-up likewise runs
+    on an H100 (benchmarks/probe_compile_size.py, docs/benchmarks.md); vLLM's start-up likewise runs
     its full token budget first."""
     largest = []
     left = max_step_tokens

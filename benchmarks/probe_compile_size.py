@@ -1,11 +1,13 @@
-"""Does a bound on the token count change inductor's pointwise kernels (int64 vs int32 indexing)?
+"""How the size of a compiled function's first call sets inductor's kernels for every later size.
 
-torch.compile(dynamic=True) leaves the token count unbounded, so inductor cannot prove a kernel's
-element count fits in int32 and may index in int64. This times the prefill step's elementwise
-kernels (SiLU x up on a fused gate/up output, a residual add, an RMSNorm) compiled with and without
-`torch._check(tokens <= bound)`, and says which index type each generated kernel uses.
+torch.compile(dynamic=True) compiles at the first call and sizes each kernel's launch configuration
+(size hints, then autotuning among their configs) by that call's shapes, then keeps it for every
+later token count. This times the prefill step's elementwise kernels (SiLU x up on a fused gate/up
+output, a residual add, an RMSNorm) at large token counts after a first call of `--first` tokens,
+and with `torch._check(tokens <= bound)` (an upper bound on the symbol, which the first guess was
+that inductor needed to index in int32; the generated code says which index type each kernel uses).
 
-    python benchmarks/probe_index_dtype.py --tokens 8192,16384 --json probe_index.json
+    python benchmarks/probe_compile_size.py --tokens 8192,16384 --first 2,16,64,512,16384 --json probe.json
 """
 
 from __future__ import annotations
