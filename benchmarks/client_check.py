@@ -11,12 +11,19 @@
   `messages.count_tokens`, and a tool under `tool_choice={"type": "tool"}`;
 - LangChain's ChatAnthropic: invoke, stream and `with_structured_output` (a forced tool call);
 - LiteLLM (`hosted_vllm/` models: how LiteLLM users reach a vLLM-compatible server): completion,
-  streamed completion, and a forced tool call.
+  streamed completion, and a forced tool call;
+- Pydantic AI (`OpenAIChatModel` on an `OpenAIProvider`): an agent's run, a streamed run, and a
+  pydantic output type (a forced call of its output tool);
+- instructor (`from_openai`): a pydantic response model through a named tool and through
+  `response_format` json_schema;
+- LlamaIndex's `OpenAILike`: complete, chat, streamed chat and `structured_predict`.
 
 Each check prints ok, FAILED (with the error) or skipped (the client is not installed); the exit
 status is 1 when a check of an installed client failed. Requirements (not Ponytail dependencies):
-`pip install openai langchain-openai openai-agents anthropic langchain-anthropic litellm` (LiteLLM
-pins an older openai than the Agents SDK: give it a venv of its own).
+`pip install openai langchain-openai openai-agents anthropic langchain-anthropic`; LiteLLM
+(`pip install litellm`) pins an older openai than the Agents SDK, and pip takes long to resolve the
+others beside them: give each of `litellm`, `"pydantic-ai-slim[openai]" instructor` and
+`llama-index-llms-openai-like` a venv of its own.
 
     serve run deployments/app.yaml &
     python benchmarks/client_check.py --base-url http://127.0.0.1:8000
@@ -34,6 +41,7 @@ import traceback
 from pydantic import BaseModel, Field
 
 ASK = "What is the capital of France? Answer in one short sentence."
+CITY_ASK = "Paris is in which country? Reply with the city and the country."
 
 
 class City(BaseModel):
@@ -71,7 +79,7 @@ def langchain_checks(base: str, model: str):
         yield f"{api} invoke", lambda llm=llm: llm.invoke(ASK).text
         yield f"{api} stream", lambda llm=llm: "".join(chunk.text for chunk in llm.stream(ASK))
         yield f"{api} structured", lambda llm=llm: llm.with_structured_output(City, method="json_schema").invoke(
-            "Paris is in which country? Reply with the city and the country.")
+            CITY_ASK)
 
 
 def agents_checks(base: str, model: str):
@@ -141,8 +149,7 @@ def langchain_anthropic_checks(base: str, model: str):
                         model_kwargs={"extra_body": {"temperature": 0}})
     yield "invoke", lambda: llm.invoke(ASK).text
     yield "stream", lambda: "".join(chunk.text for chunk in llm.stream(ASK))
-    yield "structured", lambda: llm.with_structured_output(City).invoke(
-        "Paris is in which country? Reply with the city and the country.")
+    yield "structured", lambda: llm.with_structured_output(City).invoke(CITY_ASK)
 
 
 def litellm_checks(base: str, model: str):
@@ -162,10 +169,68 @@ def litellm_checks(base: str, model: str):
     yield "tool", tool
 
 
+def pydantic_ai_checks(base: str, model: str):
+    from pydantic_ai import Agent
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    chat_model = OpenAIChatModel(model, provider=OpenAIProvider(base_url=base, api_key="unused"))
+    settings = {"temperature": 0, "max_tokens": 48}
+    yield "run", lambda: Agent(chat_model, model_settings=settings).run_sync(ASK).output
+
+    async def streamed():
+        async with Agent(chat_model, model_settings=settings).run_stream(ASK) as result:
+            return "".join([delta async for delta in result.stream_text(delta=True)])
+    yield "run stream", lambda: asyncio.run(streamed())
+    # A pydantic output type: by default a forced call of its output tool, arguments checked by pydantic.
+    yield "structured", lambda: Agent(chat_model, output_type=City, model_settings=settings).run_sync(CITY_ASK).output
+
+
+def instructor_checks(base: str, model: str):
+    import instructor
+    import openai
+
+    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0)
+    ask = dict(model=model, temperature=0, max_tokens=64, max_retries=0, response_model=City,
+               messages=[{"role": "user", "content": CITY_ASK}])
+    # TOOLS (instructor's default: a named tool_choice) and JSON_SCHEMA (response_format json_schema) hold
+    # the output to the schema. Mode.JSON (json_object plus the schema in the prompt) is left out: any
+    # JSON object is valid output there, and the 135M default model does not follow the prompt's schema.
+    for mode in (instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA):
+        patched = instructor.from_openai(client, mode=mode)
+        yield mode.name.lower(), lambda patched=patched: patched.chat.completions.create(**ask)
+
+
+def llama_index_checks(base: str, model: str):
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.llms.openai_like import OpenAILike
+
+    # is_function_calling_model: structured_predict through a tool. Without it llama-index 0.14 sends
+    # tool_choice="required" and no tools, which vLLM and OpenAI answer with a 400, as Ponytail does.
+    llm = OpenAILike(model=model, api_base=base, api_key="unused", is_chat_model=True, is_function_calling_model=True,
+                     temperature=0, max_tokens=48, max_retries=0)
+    yield "complete", lambda: llm.complete(ASK).text
+    question = [ChatMessage(role="user", content=ASK)]
+    yield "chat", lambda: llm.chat(question).message.content
+    yield "stream chat", lambda: "".join(r.delta or "" for r in llm.stream_chat(question))
+    yield "structured", lambda: llm.structured_predict(City, PromptTemplate(CITY_ASK))
+
+
 CLIENTS = [("openai", "openai", openai_checks), ("langchain", "langchain_openai", langchain_checks),
            ("agents", "agents", agents_checks), ("anthropic", "anthropic", anthropic_checks),
            ("langchain-anthropic", "langchain_anthropic", langchain_anthropic_checks),
-           ("litellm", "litellm", litellm_checks)]
+           ("litellm", "litellm", litellm_checks), ("pydantic-ai", "pydantic_ai", pydantic_ai_checks),
+           ("instructor", "instructor", instructor_checks),
+           ("llama-index", "llama_index.llms.openai_like", llama_index_checks)]
+
+
+def installed(module: str) -> bool:
+    """Whether `module` (dotted: its parents too) can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -181,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         model = openai.OpenAI(base_url=base, api_key="unused").models.list().data[0].id
     failed = 0
     for name, module, checks in CLIENTS:
-        if importlib.util.find_spec(module) is None:
+        if not installed(module):
             print(f"{name}: skipped ({module} is not installed)")
             continue
         for check, run in checks(base, model):
