@@ -70,6 +70,26 @@ def test_the_engine_warms_up_at_its_largest_budget(small_model):
     assert llm.engine.runner.max_step_tokens == 200
 
 
+def test_a_warm_up_step_out_of_device_memory_names_the_step_budgets(small_model):
+    llm = make_llm(small_model, prefill_only_batched_tokens=200)
+    runner = llm.engine.runner
+    forward = runner._forward
+
+    def short_of_memory(ids, positions, sample_at):
+        if len(positions) == 200:  # the largest step only
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+        return forward(ids, positions, sample_at)
+
+    runner._forward = short_of_memory
+    with pytest.raises(ponytail.ConfigError) as caught:
+        runner.warm_up()
+    assert str(caught.value) == (
+        "the start-up warm-up step of 200 prompt tokens (the most one step may hold) ran out of device memory: "
+        "CUDA out of memory. Tried to allocate 2.00 GiB; lower max_num_batched_tokens / prefill_only_batched_tokens, "
+        "or free device memory")
+    assert runner.hf_cache.step is None
+
+
 @pytest.mark.parametrize("varlen, hint", [("fa4", True), ("flash", False)])
 def test_a_kernel_failing_at_warm_up_is_a_start_up_error_naming_the_setting(small_model, varlen, hint):
     llm = make_llm(small_model)

@@ -13,7 +13,7 @@ from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from .step_overhead import PROMPT_TOKENS, StepOverhead, measure_step_overhead
-from ..errors import KernelError
+from ..errors import ConfigError, KernelError
 from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
 from ..utils.arith import cdiv
@@ -173,6 +173,11 @@ class ModelRunner:
                                             prefill=self._prefill_chunks(list(rows), tables, start=0, sdpa=False))
             try:
                 self._forward(self._tensor([0] * len(positions), torch.int64), positions, [len(positions) - 1])
+            except torch.OutOfMemoryError as error:  # the device, not a kernel: name the budgets that size a step
+                raise ConfigError(f"the start-up warm-up step of {len(positions)} prompt tokens (the most one step "
+                                  f"may hold) ran out of device memory: {str(error).splitlines()[0]}; lower "
+                                  "max_num_batched_tokens / prefill_only_batched_tokens, or free device memory"
+                                  ) from error
             except Exception as error:
                 varlen = self.hf_cache.prefill_varlen
                 hint = "; prefill_attention='flash' takes torch's FlashAttention-2 instead" if varlen == "fa4" else ""
