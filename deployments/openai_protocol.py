@@ -660,7 +660,7 @@ class TokenizeRequest(_Request):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageParam] | None = None
+    messages: Annotated[list[ChatMessageParam], Field(min_length=1)] | None = None
     # with messages: the chat template's options, as in a chat request
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -189,6 +189,9 @@ def test_tokenize_detokenize_version_and_the_models_root(served):
     assert status == 400 and error["error"]["param"] == "tokens" and "outside the vocabulary" in error["error"]["message"]
     status, error = call("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]})
     assert status == 400 and "exactly one of prompt" in error["error"]["message"]
+    status, error = call("/tokenize", {"messages": []})  # a 500 from the chat template before (schemathesis)
+    assert (status, error["error"]["param"]) == (400, "messages")
+    assert error["error"]["message"] == "messages: List should have at least 1 item after validation, not 0 (got [])"
     assert call("/version") == (200, {"version": ponytail.__version__})
     model, alias = client.models.list().data
     assert model.id == model.root and alias.id == MODEL  # served where its tokenizer loads from; the short name too
