@@ -61,6 +61,7 @@ from .openai_logprobs import chat_logprobs, completion_logprobs
 from .protocol import GenerateDelta, GenerateRequest, ModelInfo, TokenLogprob
 from .http_guard import AccessPolicy, install
 from .limits import LimitExceeded, RequestLimits
+from .openapi_bodies import publish_request_models, request_body
 from .prompts import with_template_defaults
 from .reasoning import with_reasoning
 from . import anthropic_api, anthropic_protocol, responses_protocol
@@ -782,6 +783,9 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
     server = _OpenAIServer(backend, limits, request_id_header)
     app = FastAPI(title="Ponytail OpenAI-compatible API")
     install(app, policy)
+    publish_request_models(app, [TokenizeRequest, DetokenizeRequest, CompletionRequest, ChatCompletionRequest,
+                                 responses_protocol.ResponsesRequest, anthropic_protocol.MessagesRequest,
+                                 anthropic_protocol.CountTokensRequest])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
 
@@ -797,11 +801,11 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
     async def version() -> dict:
         return {"version": ponytail.__version__}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
     async def tokenize(request: Request) -> Response:
         return await server.tokenize(request, detokenize=False)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
     async def detokenize(request: Request) -> Response:
         return await server.tokenize(request, detokenize=True)
 
@@ -813,28 +817,31 @@ def build_app(backend: Backend, limits: RequestLimits | None = None, policy: Acc
     async def model(model_id: str) -> Response:
         return await server.models(model_id)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await server.generate(request, CompletionRequest)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await server.generate(request, ChatCompletionRequest)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", openapi_extra=request_body(responses_protocol.ResponsesRequest))
     async def responses(request: Request) -> Response:
         return await server.generate(request, RESPONSES)
 
-    @app.post("/v1/messages")
+    @app.post("/v1/messages", openapi_extra=request_body(anthropic_protocol.MessagesRequest))
     async def messages(request: Request) -> Response:
         return await server.generate(request, MESSAGES)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", openapi_extra=request_body(anthropic_protocol.CountTokensRequest))
     async def count_message_tokens(request: Request) -> Response:
         return await server.count_message_tokens(request)
 
-    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
-    @app.api_route("/v1/responses/{response_id}/{action}", methods=["GET", "POST"])
+    # One method a route: FastAPI names an operation by its route's first method, and OpenAPI ids are unique.
+    @app.get("/v1/responses/{response_id}")
+    @app.delete("/v1/responses/{response_id}")
+    @app.get("/v1/responses/{response_id}/{action}")
+    @app.post("/v1/responses/{response_id}/{action}")
     async def stored_response(response_id: str, action: str | None = None) -> Response:
         return APIError(404, f"response {response_id!r:.80} is not stored: this server keeps no responses (store "
                              "changes nothing); send the whole conversation as input", param="response_id",
