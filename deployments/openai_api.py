@@ -499,8 +499,8 @@ class _OpenAIServer:
             metrics, started = self.metrics(info), time.monotonic()
             streaming = False  # once True, the event stream owns the generations and closes them
             try:  # wait for the first deltas: errors raised there still get a status code
-                firsts = await _unless_disconnected(request, asyncio.gather(
-                    *(_first(generation, metrics, started) for generation in generations)))
+                firsts = await _unless_disconnected(request, _all_or_none(
+                    _first(generation, metrics, started) for generation in generations))
                 if req.stream:
                     events = self._events(generations, firsts, fmt, req, per_prompt,
                                           lambda lasts: _record(metrics, lasts, started))
@@ -508,8 +508,8 @@ class _OpenAIServer:
                     sse = _as_sse(events) if shape is None else _as_sse(shape.events(events), done=False)
                     return _EventStream(sse, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
                                                       **headers})
-                results = await _unless_disconnected(request, asyncio.gather(
-                    *(self._collect(g, first) for g, first in zip(generations, firsts))))
+                results = await _unless_disconnected(request, _all_or_none(
+                    self._collect(g, first) for g, first in zip(generations, firsts)))
             finally:
                 if not streaming:
                     await _close_all(generations)
@@ -635,6 +635,21 @@ class _OpenAIServer:
         if error is not None:
             yield error
         yield DONE
+
+
+async def _all_or_none(coroutines) -> list:
+    """asyncio.gather's results, except that the first failure cancels the other tasks and waits for
+    them before it propagates: gather leaves them running, still reading their streams, which close()
+    then cannot close (a prompt refused among good ones: "generator is already running")."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        pending = [task for task in tasks if not task.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
 
 
 async def _close_all(generations: list[_Generation]) -> None:

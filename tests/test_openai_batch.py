@@ -44,6 +44,24 @@ def test_a_list_of_prompts_and_of_token_id_lists_equals_one_request_each(served)
     assert [streamed[i] for i in range(3)] == [c.text for c in batch.choices]
 
 
+def test_a_refused_prompt_among_good_ones_stops_them_and_closes_every_stream(served, caplog):
+    """One 400 for the request; the good prompts' generations are cancelled, aborted and closed
+    (schemathesis found the siblings still reading their streams when they were closed)."""
+    import logging
+    import time
+
+    replica, client = served
+    with caplog.at_level(logging.WARNING, logger="ponytail.openai"):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model=MODEL, prompt=["Once upon a time", ""], max_tokens=400, n=2)
+        assert "prompt='' is empty" in str(caught.value)
+        deadline = time.monotonic() + 30
+        while replica.llm.stats().num_running + replica.llm.stats().num_waiting and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert replica.llm.stats().num_running == replica.llm.stats().num_waiting == 0
+    assert "failed" not in caplog.text
+
+
 def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(served):
     replica, client = served
     block = replica.info.block_size
