@@ -83,10 +83,15 @@ class MessagesRequest(CountTokensRequest):
     container: Any = None
 
 
-def count_tokens_request(body: bytes) -> tuple[CountTokensRequest, TokenizeRequest]:
-    """`/v1/messages/count_tokens`' body and the /tokenize request that renders its prompt."""
-    req = CountTokensRequest.model_validate(messages_body(body))
-    return req, TokenizeRequest.model_validate({**chat_fields(req), "chat_template_kwargs": req.template_kwargs()})
+def count_tokens_request(body: bytes) -> CountTokensRequest:
+    """`/v1/messages/count_tokens`' body."""
+    return CountTokensRequest.model_validate(messages_body(body))
+
+
+def count_tokens_prompt(req: CountTokensRequest) -> TokenizeRequest:
+    """The /tokenize request that renders a count_tokens request's prompt (its checks run after the
+    model's, so an unknown model is a 404 whatever the messages are)."""
+    return TokenizeRequest.model_validate({**chat_fields(req), "chat_template_kwargs": req.template_kwargs()})
 
 
 def messages_body(body: bytes) -> dict[str, Any]:

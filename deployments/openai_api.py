@@ -536,10 +536,11 @@ class _OpenAIServer:
     async def count_message_tokens(self, request: Request) -> Response:
         """Anthropic's /v1/messages/count_tokens: the prompt's tokens as a Messages request would run it."""
         try:
-            req, chat = _parsed(anthropic_protocol.count_tokens_request, await request.body())
+            req = _parsed(anthropic_protocol.count_tokens_request, await request.body())
             info = await self.model_info()
             if not info.serves(req.model):
                 raise _model_not_found(req.model, info)
+            chat = _parsed(anthropic_protocol.count_tokens_prompt, req)
             messages = [m.to_dict() for m in chat.messages]
             template_messages(messages, bool(chat.tools), info.tool_call_format)  # as the message renders them
             tokens = await self.backend.tokenize(None, messages, chat.template_options())

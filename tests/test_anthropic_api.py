@@ -263,6 +263,8 @@ def test_on_the_real_engine_counts_the_prefix_cache_and_count_tokens_matches():
     (json.dumps({"model": MODEL, "messages": [{"role": "user", "content": [{"type": "document"}]}]}).encode(), 400,
      "invalid_request_error", "messages[0].content[0].type='document' is not supported in a user turn"),
     (json.dumps({"model": MODEL}).encode(), 400, "invalid_request_error", "messages: Field required"),
+    (json.dumps({"model": MODEL, "messages": []}).encode(), 400, "invalid_request_error",  # not the template's 500
+     "messages: List should have at least 1 item after validation, not 0"),
 ])
 def test_count_tokens_refuses_bad_requests_in_anthropics_shape(served, body, status, kind, message):
     try:
