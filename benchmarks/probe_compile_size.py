@@ -86,10 +86,8 @@ def main():
             compiled = torch.compile(body, dynamic=True)
             _, codes = run_and_get_code(compiled, *inputs(name, first))
             code = "\n".join(codes)
-            index_types = sorted(set(re.findall(r"tl\.int64|tl\.int32", code)))
-            uses_int64 = "xindex = xoffset + tl.arange(0, XBLOCK)[:].to(tl.int64)" in code or \
-                ".to(tl.int64)" in code.split("def triton_")[-1]
-            row = {"kernel": name, "variant": variant, "index types named": index_types, "int64 index": uses_int64}
+            row = {"kernel": name, "variant": variant,  # an int64 index would name tl.int64 in the kernel
+                   "index types named": sorted(set(re.findall(r"tl\.int64|tl\.int32", code)))}
             for tokens in sizes:
                 args_t = inputs(name, tokens)
                 ms = time_ms(compiled, args_t)
@@ -102,7 +100,8 @@ def main():
             print("  ", configs[:2], flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from ..sampling.logprob import TokenTexts
 from ..runner.inputs import ScheduledChunk
 from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
+from .token_budget import TokenBudgets
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
 from .step_sampling import StepBatches
@@ -87,10 +88,10 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_model_len = max_model_len
         self.cache = cache
+        budgets = TokenBudgets(max_num_batched_tokens, prefill_only_batched_tokens or max_num_batched_tokens)
         self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                   cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                  max_step_tokens=max(max_num_batched_tokens, prefill_only_batched_tokens or 0),
-                                  **runner_options)
+                                  max_step_tokens=budgets.largest, **runner_options)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
                                    prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead,
                                    policy=scheduling_policy, prefill_only_batched_tokens=prefill_only_batched_tokens)

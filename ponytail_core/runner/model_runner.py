@@ -37,13 +37,10 @@ def warm_up_steps(max_step_tokens: int, max_model_len: int) -> list[tuple[tuple[
     32 tokens, the prefill steps' SiLU x up and residual adds ran at 2.4-2.7 TB/s instead of 3.05
     on an H100 (benchmarks/probe_compile_size.py, docs/benchmarks.md); vLLM's start-up likewise runs
     its full token budget first."""
-    largest = []
-    left = max_step_tokens
-    while left > 0:
-        largest.append((0, min(left, max_model_len)))
-        left -= largest[-1][1]
+    starts = range(0, max_step_tokens, max_model_len)
+    largest = tuple((0, min(max_model_len, max_step_tokens - start)) for start in starts)
     small = [rows for rows in WARM_UP_STEPS if max(context + new for context, new in rows) <= max_model_len]
-    return ([tuple(largest)] if largest else []) + small
+    return ([largest] if largest else []) + small
 
 
 def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int]]:
