@@ -66,8 +66,9 @@ def test_llm_measures_the_step_overhead_where_graphs_replay_and_writes_nothing()
 @pytest.mark.parametrize("prefill_attention", ["flash", "fa4"])
 def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_attention):
     """Prefix hits and chunked prefill send chunks with context through the varlen path: torch's
-    flash, or FlashAttention-4 where installed (every call counted, so the test knows it ran)."""
-    from ponytail.attention import fa4, flash
+    flash, or FlashAttention-4 where installed, which reads those chunks' blocks in place through
+    the pool's page view (every call counted, so the test knows each ran)."""
+    from ponytail.attention import fa4, flash, paged
 
     monkeypatch.setenv("PONYTAIL_KERNELS", "cupy")
     if prefill_attention == "fa4" and (problem := fa4.fa4_problem(torch.device("cuda"), torch.bfloat16, 64)):
@@ -75,6 +76,8 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_
     calls = []
     monkeypatch.setattr(flash, "fa4_varlen",
                         lambda *a, **kw: calls.append(a[3].shape[0] - 1) or fa4.fa4_varlen(*a, **kw))
+    paged_calls = []
+    monkeypatch.setattr(paged, "fa4_paged", lambda *a, **kw: paged_calls.append(a[3].shape) or fa4.fa4_paged(*a, **kw))
     model = small_model(torch.bfloat16)
     rng = random.Random(1)
     shared = [rng.randrange(1, 1000) for _ in range(160)]
@@ -97,6 +100,7 @@ def test_bf16_engine_first_tokens_match_plain_transformers(monkeypatch, prefill_
             assert output.token_ids == [int(top2.indices[0])]
     assert checked >= len(prompts) // 2
     assert bool(calls) == (prefill_attention == "fa4")
+    assert bool(paged_calls) == (prefill_attention == "fa4" and fa4.fa4_pages_problem() is None)
 
 
 def test_fa4_kernels_are_ready_when_llm_returns(monkeypatch):

@@ -13,7 +13,7 @@ import torch
 
 from ponytail import CacheConfig, PagedKVCache
 from ponytail.attention import decode, prefill_cupy, torch_fallback
-from ponytail.attention.fa4 import fa4_problem
+from ponytail.attention.fa4 import fa4_pages_problem, fa4_problem
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from cache_machine import kernels
 
@@ -24,15 +24,20 @@ TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 5e-3, torch.float32: 1e-4}
 LAYERS = 2
 
 
-def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=64, seed=0, table_pad=3):
-    """A cache of random K/V whose rows own randomly scattered blocks, and their tables."""
+def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=64, seed=0, table_pad=3,
+               spacer_bytes=0):
+    """A cache of random K/V whose rows own randomly scattered blocks, and their tables.
+    spacer_bytes: that much device memory is allocated after the first chunk, before the others."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     needed = sum(-(-n // block_size) for n in lengths)
-    chunks = -(-(needed + 1) // chunk_blocks)
+    chunks = max(2 if spacer_bytes else 1, -(-(needed + 1) // chunk_blocks))
     config = CacheConfig(num_layers=LAYERS, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                          max_batch_size=1, max_seq_len=chunks * chunk_blocks * block_size,
                          block_size=block_size, chunk_blocks=chunk_blocks, device="cuda")
-    cache = PagedKVCache(config, initial_chunks=chunks)
+    cache = PagedKVCache(config, initial_chunks=1 if spacer_bytes else chunks)
+    if spacer_bytes:
+        cache.spacer = torch.empty(spacer_bytes, dtype=torch.uint8, device="cuda")  # freed with the cache
+        cache.storage.add_chunks(chunks - 1)
     for chunk in cache.storage.chunks:
         chunk.copy_(torch.randn(chunk.shape, generator=gen, device="cuda").to(dtype))
     order = torch.randperm(cache.storage.num_blocks, generator=gen, device="cuda").int()
@@ -271,8 +276,9 @@ class VarlenCase:
         return torch.tensor(VARLEN_COUNTS, device="cuda")
 
 
-def varlen_case(dtype, heads: int, seed: int) -> VarlenCase:
-    storage, tables, seq_lens = make_batch(VARLEN_LENGTHS, kv_heads=2, head_dim=128, dtype=dtype, seed=seed)
+def varlen_case(dtype, heads: int, seed: int, spacer_bytes: int = 0) -> VarlenCase:
+    storage, tables, seq_lens = make_batch(VARLEN_LENGTHS, kv_heads=2, head_dim=128, dtype=dtype, seed=seed,
+                                           chunk_blocks=16, spacer_bytes=spacer_bytes)
     width = max(VARLEN_COUNTS)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     query = torch.randn(len(VARLEN_LENGTHS), heads, width, 128, generator=gen, device="cuda").to(dtype)
@@ -314,6 +320,34 @@ def test_varlen_packed_rows_match_the_reference(dtype, group, varlen, keys_known
     assert torch.isnan(step[:3]).all()
     assert any(f"varlen prefill: custom kernel (CuPy packed gather + {varlen} varlen)" in r.getMessage()
                for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("spacer_gib", [0, 6], ids=["chunks-near", "chunks-6GiB-apart"])
+def test_fa4_reads_the_blocks_in_place_through_the_page_view(dtype, group, spacer_gib, caplog):
+    """FlashAttention-4 through the pool's page view (kv/page_view.py; no gather) against the
+    reference and the gather path. 6 GiB between the chunks puts pages past 2**31 elements from
+    the view's start: the kernel's addresses must be 64-bit."""
+    if problem := fa4_problem(torch.device("cuda"), dtype, 128) or fa4_pages_problem():
+        pytest.skip(f"FlashAttention-4 cannot run here: {problem}")
+    case = varlen_case(dtype, heads=2 * group, seed=group, spacer_bytes=spacer_gib << 30)
+    view = case.storage.page_view()
+    assert view is not None
+    farthest = view.layer_pages * math.prod(view.grid.shape[1:]) * view.grid.element_size()
+    assert (farthest > 2**32) is bool(spacer_gib), f"the allocator put the chunks {farthest} bytes apart"
+    scale = 1 / math.sqrt(128)
+    args = (case.storage, 1, case.packed, case.cu, case.width, case.tables, case.seq_lens, scale)
+    with kernels("cupy"), caplog.at_level(logging.DEBUG, logger="ponytail.kernels"):
+        out = paged_attention_varlen(*args, varlen="fa4", num_keys=case.num_keys,
+                                     pages=view.pages_for(case.tables))
+        gathered = paged_attention_varlen(*args, varlen="fa4", num_keys=case.num_keys)
+    ref = unpack_rows(reference(case.storage, 1, case.query, case.tables, case.seq_lens, case.counts_tensor(),
+                                scale), case.width)
+    err, against_gather = rel(out, ref), rel(out, gathered)
+    print(f"\n  fa4 pages {dtype} G={group}: rel={err:.2e}, against the gather {against_gather:.2e}", end="")
+    assert out.shape == case.packed.shape and err < TOLERANCE[dtype] and against_gather < TOLERANCE[dtype] / 4
+    assert "varlen prefill: custom kernel (fa4 varlen over the pool's pages)" in caplog.text
 
 
 def test_packed_gather_matches_the_fallback_gather_bit_for_bit():

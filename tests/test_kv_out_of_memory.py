@@ -1,7 +1,7 @@
 """A KV pool whose device refuses memory: growth fails as "no room", never as an error.
 
 The budget is a ceiling computed at start; another tenant of the device may hold that memory by
-the time the pool grows. Here the device's refusal is injected (torch.empty raising
+the time the pool grows. Here the device's refusal is injected (the chunk allocation raising
 torch.OutOfMemoryError past a number of chunks); tests/test_gpu_kv_out_of_memory.py does it for real.
 """
 
@@ -24,22 +24,18 @@ class Refusals(list):
 
 
 def refuse_chunks_past(monkeypatch, storage, limit: int) -> Refusals:
-    """Make the device refuse any chunk of `storage` beyond `limit` (torch.empty in storage.py)."""
+    """Make the device refuse any chunk of `storage` beyond `limit` (its allocation in storage.py)."""
     refusals = Refusals()
     refusals.limit = limit
-    real_empty = torch.empty
+    real_allocation = storage_module.aligned_empty
 
-    def empty(*args, **kwargs):
+    def allocation(*args, **kwargs):
         if refusals.limit is not None and len(storage.chunks) >= refusals.limit:
             refusals.append(len(storage.chunks))
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB (injected)")
-        return real_empty(*args, **kwargs)
+        return real_allocation(*args, **kwargs)
 
-    class DeviceForStorage:  # torch as storage.py sees it: only its allocations can be refused
-        def __getattr__(self, name):
-            return empty if name == "empty" else getattr(torch, name)
-
-    monkeypatch.setattr(storage_module, "torch", DeviceForStorage())
+    monkeypatch.setattr(storage_module, "aligned_empty", allocation)
     return refusals
 
 
@@ -59,7 +55,7 @@ def test_a_refused_growth_is_no_room_logged_once_with_numbers(monkeypatch, caplo
     assert cache.invariants() == []
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
-    assert warnings[0].startswith("KV pool could not grow past 2 of 3 chunks (2.0 KB each, 4.1 KB held): "
+    assert warnings[0].startswith("KV pool could not grow past 2 of 3 chunks (2.2 KB each, 4.4 KB held): "
                                   "the device is out of memory (free ? of ?)")
     assert "CUDA out of memory. Tried to allocate 2.00 MiB (injected)" in warnings[0]
 

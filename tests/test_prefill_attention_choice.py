@@ -118,3 +118,34 @@ def test_fa4_without_such_a_forward_copies_the_public_result_into_out(fake_fa4, 
     got = fa4.fa4_varlen(q, q, q, None, None, 5, 5, 2.0, out=step[1:])
     assert got.data_ptr() == step[1:].data_ptr() and torch.equal(step[1:], q * 2) and not step[0].any()
     assert calls == ["public"]
+
+
+def test_fa4_paged_reads_through_the_page_table_into_out(fake_fa4):
+    seen = {}
+
+    def forward(q, k, v, *, softmax_scale, out=None, page_table=None, seqused_k=None, cu_seqlens_q=None,
+                max_seqlen_q=None, max_seqlen_k=None, causal=False):
+        seen.update(page_table=page_table, seqused_k=seqused_k, max_seqlen_k=max_seqlen_k, causal=causal,
+                    pages=k.shape[0])
+        out.copy_(q * softmax_scale)
+
+    fa4, calls = fake_fa4(forward)
+    assert fa4.fa4_pages_problem() is None
+    q = torch.randn(5, 2, 8)
+    pages = torch.randn(10, 4, 1, 8)  # 10 pages of 4 keys
+    table = torch.tensor([[3, 7, 0]], dtype=torch.int32)
+    step = torch.full((6, 2, 8), float("nan"))
+    got = fa4.fa4_paged(q, pages, pages, table, torch.tensor([0, 5]), torch.tensor([9]), 5, 0.5, out=step[1:])
+    assert got.data_ptr() == step[1:].data_ptr() and torch.equal(got, q * 0.5) and step[0].isnan().all()
+    assert seen["page_table"] is table and seen["seqused_k"].tolist() == [9] and seen["causal"]
+    assert seen["max_seqlen_k"] == 12 and seen["pages"] == 10 and calls == ["forward"]
+
+
+@pytest.mark.parametrize("forward, missing", [
+    (None, "no forward that writes into a given tensor"),
+    (lambda q, k, v, *, out=None, seqused_k=None: None, "has no page_table"),
+    (lambda q, k, v, *, out=None: None, "has no page_table, seqused_k"),
+], ids=["no forward", "no page table", "neither"])
+def test_fa4_pages_problem_says_what_the_installed_version_lacks(fake_fa4, forward, missing):
+    fa4, _ = fake_fa4(forward)
+    assert missing in fa4.fa4_pages_problem()

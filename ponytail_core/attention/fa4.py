@@ -102,3 +102,26 @@ def fa4_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, out: torch.Tensor | Non
     result = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
                                     max_seqlen_k=max_k, softmax_scale=scale, causal=True, **windowed)[0]
     return result if out is None else out.copy_(result)
+
+
+def fa4_pages_problem() -> str | None:
+    """Why FlashAttention-4 cannot read K/V through a page table here (None: it can)."""
+    forward = _forward_into()
+    if forward is None:
+        return "the installed flash-attn-4 has no forward that writes into a given tensor"
+    missing = {"page_table", "seqused_k"} - inspect.signature(forward).parameters.keys()
+    return f"the installed flash-attn-4's forward has no {', '.join(sorted(missing))}" if missing else None
+
+
+def fa4_paged(q, k_pages, v_pages, page_table, cu_q, seq_lens, max_q, scale, out: torch.Tensor) -> torch.Tensor:
+    """flash_varlen's contract with K/V read in place through a page table: k_pages/v_pages
+    [pages, block_size, Hkv, D], page_table [rows, max pages] int32, seq_lens [rows] int32 keys of
+    each row (its queries are the last ones). Pages smaller than a 128-key tile load row by row
+    (cp.async) instead of by TMA. out: the contiguous [tokens, Hq, D] result, returned."""
+    forward = _forward_into()
+    if forward is None:
+        raise ConfigError(f"FlashAttention-4 cannot read K/V through a page table here: {fa4_pages_problem()}")
+    forward(q, k_pages, v_pages, cu_seqlens_q=cu_q, seqused_k=seq_lens, max_seqlen_q=max_q,
+            max_seqlen_k=page_table.shape[1] * k_pages.shape[1], page_table=page_table,
+            softmax_scale=scale, causal=True, out=out)
+    return out

@@ -6,6 +6,7 @@
     rows' K/V end to end, then flash attention's varlen kernel (through torch) attends with a
     bottom-right causal mask, no padding and no mask tensor; where flash cannot run (fp32, a GPU
     before sm80, a torch without it) a padded gather and SDPA with an explicit mask instead;
+    FlashAttention-4 given the step's page table (kv/page_view.py) reads the blocks in place instead;
   * the torch fallback (CPU, PONYTAIL_KERNELS=torch, a head size without a kernel): the same
     gather with tensor indexing, then attention in fp32 with an explicit softmax; varlen calls
     take torch_varlen.py instead, unpadded (per-row SDPA on views, decode rows in groups).
@@ -35,9 +36,11 @@ import torch
 from ..errors import KernelError
 from ..kernels import loader as kernel_loader
 from ..kv import cache_ops
+from ..kv.page_view import StepPages
 from ..kv.storage import PagedKVStorage
 from .checks import check_args, check_new_kv, check_query, check_rows, check_values, check_window
 from .decode import NewTokenKV, decode_choice, decode_cupy
+from .fa4 import fa4_paged
 from .flash import flash_varlen_problem
 from .prefill_cupy import flash_over_cache, prefill_flash_padded, prefill_sdpa
 from .torch_fallback import attention_torch
@@ -90,7 +93,8 @@ def paged_attention(storage: PagedKVStorage, layer: int, query: torch.Tensor, bl
 def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Tensor, cu_seq_q: torch.Tensor,
                            max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, varlen: str = "flash", num_keys: int = 0,
-                           out: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, sliding_window: int | None = None,
+                           pages: StepPages | None = None) -> torch.Tensor:
     """Attention of packed query tokens [N, Hq, D] over layer `layer`; returns [N, Hq, D].
 
     Row b's queries are query[cu_seq_q[b] : cu_seq_q[b + 1]] (cu_seq_q [B + 1] int32, starting at
@@ -99,7 +103,9 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     where flash can run, "flash" or "fa4" (fa4.choose_prefill_attention); num_keys: sum(seq_lens)
     where the caller knows it on the host (sizes the gather exactly; 0: not given). out: a contiguous
     [N, Hq, D] tensor the result is written into and returned (the flash kernels write there; the
-    other paths copy). sliding_window as for `paged_attention`.
+    other paths copy). sliding_window as for `paged_attention`. pages: block_tables translated to
+    the pool's page view (kv/page_view.py, once a step): FlashAttention-4 ("fa4", no window) then
+    reads the blocks in place (fa4.fa4_paged) instead of after a packed gather.
     """
     check_window(sliding_window)
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
@@ -126,6 +132,12 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     if problem is None:
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)
+        if pages is not None and varlen == "fa4" and sliding_window is None:
+            kernel_loader.log_choice("paged_attention varlen prefill",
+                                     kernel_loader.KernelChoice(True, "fa4 varlen over the pool's pages"))
+            k, v = pages.view.layer(layer)
+            return fa4_paged(query, k, v, pages.table, cu_seq_q, seq_lens, max_query_len, float(scale),
+                             out=query.new_empty(query.shape) if out is None else out)
         kernel_loader.log_choice("paged_attention varlen prefill",
                                  kernel_loader.KernelChoice(True, f"CuPy packed gather + {varlen} varlen"))
         return flash_over_cache(storage, layer, query, cu_seq_q, max_query_len, block_tables, seq_lens, float(scale),

@@ -207,7 +207,7 @@ class PagedKVCache:
         if not count or time.monotonic() < self._no_growth_until:
             return 0
         before = self.num_chunks
-        short = self._device_short_by(count * self.storage.chunk_bytes)
+        short = self._device_short_by(count * self.storage.chunk_allocation_bytes)
         if short > 0:  # growing would eat the memory the model's steps need: refuse it now
             self._growth_failed(f"{format_bytes(short)} short of keeping device_headroom_bytes="
                                 f"{format_bytes(self.device_headroom_bytes)} free for the model's steps")
@@ -246,7 +246,7 @@ class PagedKVCache:
             "(free %s of %s), another tenant likely holds what the budget assumed. Requests queue or are "
             "preempted instead; growth is retried every %.0f s. Lower kv_cache_memory or "
             "gpu_memory_utilization to stop this. (%s)",
-            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_bytes),
+            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_allocation_bytes),
             format_bytes(self.storage.allocated_bytes), "?" if free is None else format_bytes(free),
             "?" if total is None else format_bytes(total), self.GROW_RETRY_S, why)
 

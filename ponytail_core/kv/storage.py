@@ -18,6 +18,7 @@ import torch
 
 from ..utils.device import to_device
 from .config import CacheConfig
+from .page_view import PageView, aligned_empty, build_page_view
 
 
 class PagedKVStorage:
@@ -30,6 +31,8 @@ class PagedKVStorage:
         self.cupy_chunk_ptrs = None  # zero-copy CuPy view of chunk_ptrs: the kernels' argument
         self.chunk_ptrs = torch.zeros(max(1, max_chunks), dtype=torch.int64, device=self.device)
         self.ptr_table_version = 0  # bumped when the table moves (more chunks than it had room for)
+        self._page_view: PageView | None = None  # built at the first page_view() after the chunks change
+        self._page_view_current = False
 
     # --------------------------------------------------------------- layout
     @property
@@ -56,8 +59,13 @@ class PagedKVStorage:
         return self.config.layer_block_elems * self.config.dtype_size
 
     @property
+    def chunk_allocation_bytes(self) -> int:
+        """Device memory one chunk takes: its blocks, and the pad that starts it on the page grid."""
+        return self.chunk_bytes + self.layer_block_bytes
+
+    @property
     def allocated_bytes(self) -> int:
-        return len(self.chunks) * self.chunk_bytes
+        return len(self.chunks) * self.chunk_allocation_bytes
 
     # ------------------------------------------------------- grow / shrink
     def add_chunks(self, count: int) -> None:
@@ -65,8 +73,10 @@ class PagedKVStorage:
         stay (views refreshed) and torch.OutOfMemoryError propagates: the caller counts them."""
         try:
             for _ in range(count):
-                # empty, not zeros: blocks are always written before they are read.
-                self.chunks.append(torch.empty(self.chunk_shape, dtype=self.config.dtype, device=self.device))
+                # empty, not zeros: blocks are always written before they are read. Each chunk starts
+                # on the grid of one layer's block (page_view.py).
+                self.chunks.append(aligned_empty(self.chunk_shape, self.config.dtype, self.device,
+                                                 self.layer_block_bytes))
         finally:
             self._refresh_views()
 
@@ -81,7 +91,17 @@ class PagedKVStorage:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def page_view(self) -> PageView | None:
+        """Every layer's blocks as paged tensors with one page table (page_view.py), for kernels that
+        take one; None where the chunks do not allow it. A new object after the chunks change: a
+        step keeps the one it translated its tables with."""
+        if not self._page_view_current:
+            self._page_view = build_page_view(self.chunks, len(self.chunk_ptrs))
+            self._page_view_current = True
+        return self._page_view
+
     def _refresh_views(self) -> None:
+        self._page_view_current = False
         pointers = [t.data_ptr() for t in self.chunks]
         if len(pointers) > len(self.chunk_ptrs):  # beyond the room planned for: a new table
             self.chunk_ptrs = torch.zeros(len(pointers), dtype=torch.int64, device=self.device)

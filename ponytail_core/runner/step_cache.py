@@ -5,7 +5,8 @@ matmuls): decode tokens first, one per row, then the prefill chunks end to end. 
 them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
 chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
 context. When no chunk has context (every chunk starts its sequence) they attend the step's own
-K/V instead (chunks.py), without reading the blocks back. On the torch path (the CPU) every row
+K/V instead (chunks.py), without reading the blocks back. With FlashAttention-4 the chunks read
+the blocks in place through one page table a step (kv/page_view.py) instead of a packed gather. On the torch path (the CPU) every row
 that reads the blocks goes through one plan per step (attention/torch_varlen.py), unpadded.
 
 On CUDA the decode kernel writes the decode rows' new K/V itself (attention/decode.py's
@@ -20,10 +21,12 @@ import torch
 
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
 from ..attention.decode import NewTokenKV, writes_new_token
+from ..attention.fa4 import fa4_pages_problem
 from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
 from ..attention.torch_varlen import SlotWrites, TorchAttentionPlan, attention_torch_planned, plan_torch_attention
 from ..kernels import loader as kernel_loader
+from ..kv.page_view import StepPages
 
 
 @dataclass(slots=True)
@@ -76,6 +79,9 @@ class PackedStepCache(PagedCacheBase):
         # layer that needs each, and where the step's new K/V go.
         self._plans: dict[int | None, TorchAttentionPlan] = {}
         self._writes: SlotWrites | None = None
+        # The chunks' tables as pages (FlashAttention-4 reads the blocks in place), for `_pages_of`.
+        self._read_pages = prefill_varlen == "fa4" and fa4_pages_problem() is None
+        self._pages: tuple[PrefillChunks, StepPages | None] | None = None
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
         step = self.step
@@ -125,11 +131,22 @@ class PackedStepCache(PagedCacheBase):
         else:
             result = paged_attention_varlen(storage, layer_idx, q_tok[s:], chunks.cu_seq_q, chunks.max_query_len,
                                             chunks.block_tables, chunks.seq_lens, scale, varlen=self.prefill_varlen,
-                                            num_keys=chunks.num_keys, out=rows, sliding_window=window)
+                                            num_keys=chunks.num_keys, out=rows, sliding_window=window,
+                                            pages=self._pages_of(chunks) if window is None else None)
         if out is None:
             return result.unsqueeze(0)
         out[:s] = decode_out
         return out.unsqueeze(0)  # [1, N, Hq, D]
+
+    def _pages_of(self, chunks: PrefillChunks) -> StepPages | None:
+        """The chunks' block tables as pages of the pool's page view: translated at the step's first
+        layer and kept for the others (the view is the pool's as this step is queued)."""
+        if not self._read_pages:
+            return None
+        if self._pages is None or self._pages[0] is not chunks:
+            view = self.paged.storage.page_view()
+            self._pages = (chunks, None if view is None else view.pages_for(chunks.block_tables))
+        return self._pages[1]
 
     def _plan(self, window: int | None) -> TorchAttentionPlan:
         """The torch path's plan for this step's rows that read the blocks: the decode rows, and the
