@@ -7,6 +7,7 @@ import itertools
 from dataclasses import dataclass
 import logging
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from ponytail import CacheConfig, PagedKVCache
 from ponytail.attention import decode, prefill_cupy, torch_fallback
 from ponytail.attention.fa4 import fa4_pages_problem, fa4_problem
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
+from ponytail.kv import storage as storage_module
 from cache_machine import kernels
 
 pytestmark = pytest.mark.gpu
@@ -34,10 +36,11 @@ def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=6
     config = CacheConfig(num_layers=LAYERS, num_kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                          max_batch_size=1, max_seq_len=chunks * chunk_blocks * block_size,
                          block_size=block_size, chunk_blocks=chunk_blocks, device="cuda")
-    cache = PagedKVCache(config, initial_chunks=1 if spacer_bytes else chunks)
-    if spacer_bytes:
-        cache.spacer = torch.empty(spacer_bytes, dtype=torch.uint8, device="cuda")  # freed with the cache
-        cache.storage.add_chunks(chunks - 1)
+    if spacer_bytes:  # the chunks come from one arena, the first spacer_bytes before the others
+        with mock.patch.object(storage_module, "aligned_empty", ArenaChunks(spacer_bytes, chunks, config)):
+            cache = PagedKVCache(config, initial_chunks=chunks)
+    else:
+        cache = PagedKVCache(config, initial_chunks=chunks)
     for chunk in cache.storage.chunks:
         chunk.copy_(torch.randn(chunk.shape, generator=gen, device="cuda").to(dtype))
     order = torch.randperm(cache.storage.num_blocks, generator=gen, device="cuda").int()
@@ -50,6 +53,21 @@ def make_batch(lengths, kv_heads, head_dim, dtype, block_size=16, chunk_blocks=6
         start += count
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
     return cache.storage, tables, seq_lens
+
+
+class ArenaChunks:
+    """storage.py's chunk allocation from one device arena: chunk 0 at its start, the others
+    spacer_bytes later (torch's allocator, left to itself, may put them anywhere)."""
+
+    def __init__(self, spacer_bytes: int, chunks: int, config: CacheConfig):
+        self.stride = config.block_bytes * config.chunk_blocks + config.layer_block_elems * config.dtype_size
+        self.arena = torch.empty(spacer_bytes + chunks * self.stride, dtype=torch.uint8, device="cuda")
+        self.starts = iter([0] + [spacer_bytes + i * self.stride for i in range(1, chunks)])
+
+    def __call__(self, shape, dtype, device, align_bytes):
+        base = self.arena[next(self.starts):]
+        skip = (-base.data_ptr()) % align_bytes
+        return base[skip : skip + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
 
 
 def reference(storage, layer, query, tables, seq_lens, query_lens, scale, window=None) -> torch.Tensor:
