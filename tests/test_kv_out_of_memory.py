@@ -55,7 +55,7 @@ def test_a_refused_growth_is_no_room_logged_once_with_numbers(monkeypatch, caplo
     assert cache.invariants() == []
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
-    assert warnings[0].startswith("KV pool could not grow past 2 of 3 chunks (2.2 KB each, 4.4 KB held): "
+    assert warnings[0].startswith("KV pool could not grow past 2 of 3 chunks (2.0 KB each, 4.1 KB held): "
                                   "the device is out of memory (free ? of ?)")
     assert "CUDA out of memory. Tried to allocate 2.00 MiB (injected)" in warnings[0]
 

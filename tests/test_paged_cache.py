@@ -67,7 +67,7 @@ def test_shrink_compacts_then_releases_tail_chunks():
     assert cache.shrink() == 2
     assert cache.num_chunks == 1 and cache.block_table(3) == [0]
     assert_holds(cache, 3, k3)
-    assert cache.storage.allocated_bytes == 4 * cache.config.block_bytes + cache.storage.layer_block_bytes  # + the pad
+    assert cache.storage.allocated_bytes == 4 * cache.config.block_bytes
     assert cache.invariants() == []
 
 

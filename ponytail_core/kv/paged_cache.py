@@ -246,7 +246,7 @@ class PagedKVCache:
             "(free %s of %s), another tenant likely holds what the budget assumed. Requests queue or are "
             "preempted instead; growth is retried every %.0f s. Lower kv_cache_memory or "
             "gpu_memory_utilization to stop this. (%s)",
-            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_allocation_bytes),
+            self.num_chunks, self.max_chunks, format_bytes(self.storage.chunk_bytes),
             format_bytes(self.storage.allocated_bytes), "?" if free is None else format_bytes(free),
             "?" if total is None else format_bytes(total), self.GROW_RETRY_S, why)
 

@@ -60,12 +60,14 @@ class PagedKVStorage:
 
     @property
     def chunk_allocation_bytes(self) -> int:
-        """Device memory one chunk takes: its blocks, and the pad that starts it on the page grid."""
+        """What one chunk asks of the device: its blocks, and the pad that starts it on the page grid
+        (page_view.py). The pool's accounting counts blocks, as it leaves out torch's own rounding."""
         return self.chunk_bytes + self.layer_block_bytes
 
     @property
     def allocated_bytes(self) -> int:
-        return len(self.chunks) * self.chunk_allocation_bytes
+        """Bytes of the pool's blocks."""
+        return len(self.chunks) * self.chunk_bytes
 
     # ------------------------------------------------------- grow / shrink
     def add_chunks(self, count: int) -> None:
