@@ -60,6 +60,10 @@ def test_padding_reads_as_block_zero_and_views_are_rebuilt_when_the_pool_changes
     assert storage.page_view() is view  # kept while the chunks stay
     table = view.page_table(torch.tensor([[5, -1, -1]], dtype=torch.int32))
     assert table[0, 1:].tolist() == [view.page_table(torch.tensor([[0]], dtype=torch.int32)).item()] * 2
+    # An id past what the chunk table addresses reads the last addressable block, inside the pool.
+    last = storage.address_blocks - 1
+    beyond = view.page_table(torch.tensor([[last + 1, 10**6]], dtype=torch.int32))
+    assert beyond[0].tolist() == [view.page_table(torch.tensor([[last]], dtype=torch.int32)).item()] * 2
     storage.add_chunks(2)
     for chunk in storage.chunks[2:]:
         chunk.copy_(torch.randn(chunk.shape).to(chunk.dtype))

@@ -40,8 +40,10 @@ class PageView:
         return self.grid[k : k + self.layer_pages], self.grid[v : v + self.layer_pages]
 
     def page_table(self, block_tables: torch.Tensor) -> torch.Tensor:
-        """block_tables (int32, block ids; -1 padding reads as block 0) as pages of this view, int32."""
-        blocks = block_tables.clamp(min=0)
+        """block_tables (int32, block ids; -1 padding reads as block 0) as pages of this view, int32.
+        Ids are clamped to the blocks the chunk table can address, as the pool's kernels clamp them:
+        a bad id reads a wrong block of the pool, never memory outside it or a failed index."""
+        blocks = block_tables.clamp(0, self.first_page.shape[0] * self.chunk_blocks - 1)
         chunk = torch.div(blocks, self.chunk_blocks, rounding_mode="floor")
         first = self.first_page.index_select(0, chunk.flatten()).view_as(blocks)
         return first + (blocks - chunk * self.chunk_blocks)
