@@ -16,6 +16,7 @@ vLLM allocates one tensor per layer up front instead; the pool grows and shrinks
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,10 +64,9 @@ class StepPages:
 def aligned_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, align_bytes: int) -> torch.Tensor:
     """torch.empty(shape) whose first element's address is a multiple of align_bytes (a multiple of
     the element size): a view into an allocation one alignment larger."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    numel = int(np.prod(shape))
-    flat = torch.empty(numel + align_bytes // itemsize, dtype=dtype, device=device)
-    skip = (-flat.data_ptr()) % align_bytes // itemsize
+    numel = math.prod(shape)
+    flat = torch.empty(numel + align_bytes // dtype.itemsize, dtype=dtype, device=device)
+    skip = (-flat.data_ptr()) % align_bytes // dtype.itemsize
     return flat[skip : skip + numel].view(shape)
 
 
@@ -89,7 +89,7 @@ def build_page_view(chunks: list[torch.Tensor], room: int) -> PageView | None:
         return None
     sample = chunks[0]
     num_layers, _, chunk_blocks, *page_shape = sample.shape
-    page_bytes = int(np.prod(page_shape)) * sample.element_size()
+    page_bytes = math.prod(page_shape) * sample.element_size()
     starts = [c.data_ptr() for c in chunks]
     if any(start % page_bytes for start in starts):
         return None

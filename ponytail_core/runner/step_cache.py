@@ -6,8 +6,9 @@ them again: the decode rows go to the paged decode kernel together, the prefill 
 chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
 context. When no chunk has context (every chunk starts its sequence) they attend the step's own
 K/V instead (chunks.py), without reading the blocks back. With FlashAttention-4 the chunks read
-the blocks in place through one page table a step (kv/page_view.py) instead of a packed gather. On the torch path (the CPU) every row
-that reads the blocks goes through one plan per step (attention/torch_varlen.py), unpadded.
+the blocks in place through one page table a step (kv/page_view.py) instead of a packed gather.
+On the torch path (the CPU) every row that reads the blocks goes through one plan per step
+(attention/torch_varlen.py), unpadded.
 
 On CUDA the decode kernel writes the decode rows' new K/V itself (attention/decode.py's
 NewTokenKV, LAUNCH["write_new_token"]); the prefill chunks' go through cache_ops.write_slots.
