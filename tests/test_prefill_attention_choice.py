@@ -149,3 +149,13 @@ def test_fa4_paged_reads_through_the_page_table_into_out(fake_fa4):
 def test_fa4_pages_problem_says_what_the_installed_version_lacks(fake_fa4, forward, missing):
     fa4, _ = fake_fa4(forward)
     assert missing in fa4.fa4_pages_problem()
+
+
+def test_fa4_paged_without_such_a_forward_is_a_config_error_saying_why(fake_fa4):
+    fa4, calls = fake_fa4(None)
+    q = torch.randn(5, 2, 8)
+    with pytest.raises(ponytail.ConfigError) as caught:
+        fa4.fa4_paged(q, q, q, torch.zeros((1, 1), dtype=torch.int32), None, None, 5, 0.5, out=q)
+    assert str(caught.value) == ("FlashAttention-4 cannot read K/V through a page table here: the installed "
+                                 "flash-attn-4 has no forward that writes into a given tensor")
+    assert calls == []
