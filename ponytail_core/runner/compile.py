@@ -5,11 +5,13 @@ rotary embedding, residual adds, SiLU * up) around its few GEMMs; a CUDA graph r
 launch cost but not their own time. Compiling each decoder layer lets inductor fuse them. The
 attention runs as a custom op (attention/compiled_op.py) the layer's graph calls without breaking,
 so Ponytail's kernels and their checks run exactly as without compiling, and each layer is one
-compiled graph.
+compiled graph. Llama-family layers leave their closing residual add to the next layer's norm
+(residual_handoff.py), as vLLM's fused add + RMSNorm does.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -18,6 +20,7 @@ import torch
 from ..attention import compiled_op
 from ..attention.hf_cache_base import LAYER_INDEX_ATTR, PagedCacheBase
 from ..errors import ConfigError
+from . import residual_handoff
 
 logger = logging.getLogger("ponytail.engine")
 
@@ -65,12 +68,19 @@ def compile_decoder_layers(model) -> int:
     torch._dynamo.config.accumulated_cache_size_limit = max(
         torch._dynamo.config.accumulated_cache_size_limit, limit)
     start = time.perf_counter()
+    handoff = residual_handoff.install(model, model.get_decoder(), layers)
     for layer in layers:
         compiled = torch.compile(layer.forward, dynamic=True)
         attention = _share_layer_index(layer)
-        layer.forward = compiled if attention is None else _compiled_for_ponytail_caches(layer, attention, compiled)
-    logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s)",
-                len(layers), time.perf_counter() - start)
+        if attention is None:
+            layer.forward = compiled
+            continue
+        handing_off = None if handoff is None else torch.compile(
+            functools.partial(residual_handoff.handoff_forward, layer), dynamic=True)
+        layer.forward = _compiled_for_ponytail_caches(layer, attention, compiled, handoff, handing_off)
+    logger.info("compiling %d decoder layers with torch.compile (first steps compile; set up in %.1f s); residual "
+                "adds handed to the next layer's norm: %s", len(layers), time.perf_counter() - start,
+                "yes" if handoff is not None else "no (not LlamaDecoderLayer's forward)")
     return len(layers)
 
 
@@ -78,7 +88,9 @@ def restore_decoder_layers(model) -> None:
     """Undo compile_decoder_layers: every layer runs its class's own forward again."""
     from ..attention import hf_backend as hf_attention
 
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    residual_handoff.uninstall(model, model.get_decoder())
+    for layer in layers:
         layer.__dict__.pop("forward", None)
         attention = getattr(layer, "self_attn", None)
         if attention is not None and LAYER_INDEX_ATTR in vars(attention):
@@ -99,15 +111,27 @@ def _share_layer_index(layer):
     return attention
 
 
-def _compiled_for_ponytail_caches(layer, attention, compiled):
+def _compiled_for_ponytail_caches(layer, attention, compiled, handoff=None, handing_off=None):
     """The compiled forward with a Ponytail cache or none. A Ponytail cache stays out of the trace:
     the layer gets none (so its attention module does not call update()) and COMPILED_CALL, and
     its attention runs as the custom op, told the cache and the layer's real index here
-    (attention/compiled_op.py): one graph for the whole layer. Any other cache (plain `generate`'s
-    DynamicCache) files K/V under the traced layer_idx, which is 0 in every layer here: such a call
-    runs the class's own forward, eagerly, with the layer's real index back for its duration."""
+    (attention/compiled_op.py): one graph for the whole layer. With a handoff (residual_handoff.py)
+    that graph is `handing_off`, which leaves the layer's closing add to the next call. Any other
+    cache (plain `generate`'s DynamicCache) files K/V under the traced layer_idx, which is 0 in every
+    layer here: such a call runs the class's own forward, eagerly, with the layer's real index back
+    for its duration."""
     eager = type(layer).forward
     layer_idx = vars(attention)[LAYER_INDEX_ATTR]
+
+    def handing_off_call(hidden_states, *args, **kwargs):
+        """The layer's output with the handoff (its closing add pending), or None: the stock graph runs."""
+        if layer_idx == 0:
+            residual = handoff.start(hidden_states, by_name_only=not args)
+        elif handoff.active:
+            residual = handoff.take(hidden_states, f"decoder layer {layer_idx}")
+        if not handoff.active:
+            return None
+        return handoff.give(*handing_off(hidden_states, residual, **kwargs))
 
     def forward(*args, **kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers 5.x renamed it
@@ -117,8 +141,10 @@ def _compiled_for_ponytail_caches(layer, attention, compiled):
                                   "under torch.inference_mode() or torch.no_grad(), as the engine does")
             kwargs.pop("cache", None)
             kwargs.pop("past_key_values", None)
+            kwargs[compiled_op.COMPILED_CALL] = True
             with compiled_op.calling(cache, attention, layer_idx):
-                return compiled(*args, **kwargs, **{compiled_op.COMPILED_CALL: True})
+                out = None if handoff is None else handing_off_call(*args, **kwargs)
+                return compiled(*args, **kwargs) if out is None else out
         if cache is None:
             return compiled(*args, **kwargs)
         attention.layer_idx = vars(attention)[LAYER_INDEX_ATTR]

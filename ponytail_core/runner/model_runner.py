@@ -11,6 +11,7 @@ import torch
 from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
+from .residual_handoff import check_consumed
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from .step_overhead import PROMPT_TOKENS, StepOverhead, measure_step_overhead
 from ..errors import ConfigError, KernelError
@@ -217,6 +218,7 @@ class ModelRunner:
             out = self.model(input_ids=ids[None], position_ids=self._tensor(positions, torch.int64)[None],
                              cache=self.hf_cache, use_cache=True,
                              logits_to_keep=self._tensor(sample_at, torch.int64))
+        check_consumed(self.model)
         return out.logits[0]
 
     def _pick(self, logits: torch.Tensor, sample_at: list[int]) -> torch.Tensor:
