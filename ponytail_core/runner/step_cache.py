@@ -5,10 +5,8 @@ matmuls): decode tokens first, one per row, then the prefill chunks end to end. 
 them again: the decode rows go to the paged decode kernel together, the prefill chunks (prefill,
 chunked prefill, recompute, prefix hits) to the varlen path, each chunk against its own cached
 context. When no chunk has context (every chunk starts its sequence) they attend the step's own
-K/V instead (chunks.py), without reading the blocks back; so do those after the last chunk with
-context (FreshTail: the runner puts chunks after a context first), and only the chunks before them
-read the blocks. With FlashAttention-4 those read the blocks in place through one page table a step
-(kv/page_view.py) instead of a packed gather.
+K/V instead (chunks.py), without reading the blocks back. With FlashAttention-4 the chunks read
+the blocks in place through one page table a step (kv/page_view.py) instead of a packed gather.
 On the torch path (the CPU) every row that reads the blocks goes through one plan per step
 (attention/torch_varlen.py), unpadded.
 
