@@ -12,7 +12,7 @@ from ..attention import hf_backend as hf_attention
 from ..attention.chunks import SdpaShapes, equal_length_runs
 from .cpu_head import prepacked_head
 from .residual_handoff import check_consumed
-from .step_cache import DecodeRows, FreshTail, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
+from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from .step_overhead import PROMPT_TOKENS, StepOverhead, measure_step_overhead
 from ..errors import ConfigError, KernelError
 from ..kv.paged_cache import PagedKVCache
@@ -25,9 +25,8 @@ logger = logging.getLogger("ponytail.engine")
 
 # warm_up's dummy steps, each a list of (context tokens, new tokens) rows: prompt chunks without
 # context and chunks after one, with rows of at most and of more than 128 query tokens (FA4's tile:
-# on Blackwell its kernel choice depends on which side of it the longest row falls), and both kinds
-# in one step (step_cache.FreshTail).
-WARM_UP_STEPS = (((0, 8), (0, 24)), ((0, 16), (0, 160)), ((40, 8),), ((40, 8), (24, 160)), ((40, 8), (0, 24)))
+# on Blackwell its kernel choice depends on which side of it the longest row falls).
+WARM_UP_STEPS = (((0, 8), (0, 24)), ((0, 16), (0, 160)), ((40, 8),), ((40, 8), (24, 160)))
 
 
 def warm_up_steps(max_step_tokens: int, max_model_len: int) -> list[tuple[tuple[int, int], ...]]:
@@ -116,8 +115,7 @@ class ModelRunner:
         sampled[pending_row], gathered on the device (the host never waits for it).
         """
         decode = [c for c in chunks if c.num_tokens == 1]
-        # Chunks after a context first: those after them start their sequences and attend their own K/V.
-        prefill = sorted((c for c in chunks if c.num_tokens > 1), key=lambda c: c.start == 0)
+        prefill = [c for c in chunks if c.num_tokens > 1]
         ordered = decode + prefill  # the packed layout PackedStepCache expects
         offsets = {}
         input_ids: list[int] = []
@@ -247,19 +245,7 @@ class ModelRunner:
         return PrefillChunks(start=start, cu_seq_q=self._tensor(cu, torch.int32),
                              max_query_len=max(new for _, new in rows), block_tables=self._table(tables),
                              seq_lens=self._tensor(seq_lens, torch.int32), num_keys=sum(seq_lens),
-                             runs=runs, sdpa=sdpa and runs is not None and self.sdpa_shapes.recurring(runs),
-                             tail=self._fresh_tail(rows, cu) if runs is None and self.device.type == "cuda" else None)
-
-    def _fresh_tail(self, rows: list[tuple[int, int]], cu: list[int]) -> FreshTail | None:
-        """The chunks after the last one with context, where any follow it (step_cache.FreshTail)."""
-        head = max(i + 1 for i, (context, _) in enumerate(rows) if context)
-        if head == len(rows):
-            return None
-        new = [n for _, n in rows[head:]]
-        return FreshTail(chunks=head, tokens=cu[head], max_query_len=max(n for _, n in rows[:head]),
-                         num_keys=sum(context + n for context, n in rows[:head]),
-                         cu_seq_q=self._tensor([c - cu[head] for c in cu[head:]], torch.int32),
-                         tail_max_query_len=max(new), runs=equal_length_runs(new))
+                             runs=runs, sdpa=sdpa and runs is not None and self.sdpa_shapes.recurring(runs))
 
     def _table(self, tables: list[list[int]]) -> torch.Tensor:
         width = max(1, max(len(t) for t in tables))

@@ -43,21 +43,6 @@ class DecodeRows:
 
 
 @dataclass(slots=True)
-class FreshTail:
-    """The chunks after the last one with context, in a step that has both kinds: they start their
-    sequences, so on CUDA they attend their own K/V (chunks.py's contiguous varlen, FlashAttention-4
-    by TMA) while the chunks before them read the blocks (a page table or a gather of their own)."""
-
-    chunks: int  # how many chunks come before it and read the blocks
-    tokens: int  # their query tokens; the tail starts at PrefillChunks.start + tokens
-    max_query_len: int  # theirs
-    num_keys: int  # theirs
-    cu_seq_q: torch.Tensor  # [tail chunks + 1] int32 from 0
-    tail_max_query_len: int
-    runs: list[ChunkRun]  # the tail's, from its first token
-
-
-@dataclass(slots=True)
 class PrefillChunks:
     """Packed positions start .. N - 1: the chunks end to end."""
 
@@ -69,7 +54,6 @@ class PrefillChunks:
     num_keys: int = 0  # sum of seq_lens, known on the host (0: not given)
     runs: list[ChunkRun] | None = None  # set when no chunk has context: equal-length runs of chunks
     sdpa: bool = True  # runs may go to SDPA: their shapes recur (chunk_attention.SdpaShapes)
-    tail: FreshTail | None = None  # set when chunks without context follow the last one with context
 
 
 @dataclass(slots=True)
@@ -139,16 +123,12 @@ class PackedStepCache(PagedCacheBase):
         # Without decode rows the kernel's own output is the answer; with them the prefill rows are
         # written after theirs in one tensor (FlashAttention-4 in place, the other kernels copy).
         s = chunks.start
-        tail = chunks.tail if window is None else None
-        out = None if decode_out is None and tail is None else torch.empty(q_tok.shape, dtype=q_tok.dtype,
-                                                                             device=q_tok.device)
+        out = None if decode_out is None else torch.empty(q_tok.shape, dtype=q_tok.dtype, device=q_tok.device)
         rows = None if out is None else out[s:]
         if chunks.runs is not None:  # every chunk starts its sequence: its own K/V are all it attends
             result = attention_over_new_tokens(query[0, :, s:], key[0, :, s:], value[0, :, s:], chunks.runs,
                                                chunks.cu_seq_q, chunks.max_query_len, scale, out=rows,
                                                sdpa=chunks.sdpa, varlen=self.prefill_varlen, window=window)
-        elif tail is not None:
-            self._attend_split(layer_idx, query, key, value, q_tok, chunks, tail, scale, rows)
         else:
             result = paged_attention_varlen(storage, layer_idx, q_tok[s:], chunks.cu_seq_q, chunks.max_query_len,
                                             chunks.block_tables, chunks.seq_lens, scale, varlen=self.prefill_varlen,
@@ -156,22 +136,8 @@ class PackedStepCache(PagedCacheBase):
                                             pages=self._pages_of(chunks) if window is None else None)
         if out is None:
             return result.unsqueeze(0)
-        if decode_out is not None:
-            out[:s] = decode_out
+        out[:s] = decode_out
         return out.unsqueeze(0)  # [1, N, Hq, D]
-
-    def _attend_split(self, layer_idx, query, key, value, q_tok, chunks: PrefillChunks, tail: FreshTail, scale,
-                      rows: torch.Tensor) -> None:
-        """The chunks before the tail over the blocks, the tail over its own K/V, both into rows."""
-        k, s, t = tail.chunks, chunks.start, chunks.start + tail.tokens
-        pages = self._pages_of(chunks)
-        paged_attention_varlen(self.paged.storage, layer_idx, q_tok[s:t], chunks.cu_seq_q[: k + 1], tail.max_query_len,
-                               chunks.block_tables[:k], chunks.seq_lens[:k], scale, varlen=self.prefill_varlen,
-                               num_keys=tail.num_keys, out=rows[: tail.tokens],
-                               pages=None if pages is None else StepPages(pages.view, pages.table[:k]))
-        attention_over_new_tokens(query[0, :, t:], key[0, :, t:], value[0, :, t:], tail.runs, tail.cu_seq_q,
-                                  tail.tail_max_query_len, scale, out=rows[tail.tokens :], sdpa=False,
-                                  varlen=self.prefill_varlen)
 
     def _pages_of(self, chunks: PrefillChunks) -> StepPages | None:
         """The chunks' block tables as pages of the pool's page view: translated at the step's first
