@@ -105,6 +105,52 @@ def test_probe_gemm_methods_compute_the_same_product():
         probe.gemm_fn("nope", x, weight)
 
 
+def test_probe_bandwidth_counts_a_7b_decode_steps_reads_and_sums_fixed():
+    probe = benchmark_module("probe_bandwidth")
+    shape = probe.Shape()
+    weights = shape.weights()
+    per_step = 32 * sum(weights[n] for n in ("qkv", "o", "gate_up", "down")) + weights["lm_head"]
+    assert per_step == 13_214_154_752  # the 13.2 GB a step the thirty-second session's profile counted
+    assert shape.kv_bytes(1024) == 64 * 1024 * 2 * 32 * 128 * 2
+    reads = shape.step_reads(700)
+    assert len(reads) == 32 * 5 + 1 and reads[1] == ("kv", shape.kv_bytes(700)) and reads[-1][0] == "lm_head"
+    # a step time linear in the context: the fit sums it exactly
+    line = {c: 2.0 + 0.01 * c for c in (513, 1024, 1536)}
+    assert probe.decode_seconds(line, 513, 1536) == pytest.approx(sum(2.0 + 0.01 * c for c in range(513, 1537)) / 1e3)
+    labels = [launch.label for launch in probe.launches(shape)]
+    assert "strided u4 t512 c4" in labels and "chunked u2 t128 x2048" in labels and len(set(labels)) == len(labels)
+
+
+def test_probe_bandwidth_says_it_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device; the GPU test runs the probe")
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_bandwidth.py")], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "needs a CUDA device" in result.stderr
+
+
+@pytest.mark.gpu
+def test_probe_bandwidth_kernels_read_every_vector():
+    """Every launch finds markers planted anywhere in a buffer whose length no grid divides evenly."""
+    pytest.importorskip("cupy", reason="the read kernels load through CuPy")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    probe = benchmark_module("probe_bandwidth")
+    kernels = probe.ReadKernels(torch.device("cuda", torch.cuda.current_device()))
+    shape = probe.Shape()
+    buffer = torch.zeros(16 * 100_003, dtype=torch.uint8, device="cuda")
+    kv = torch.zeros(shape.kv_bytes(37), dtype=torch.uint8, device="cuda")  # 37 tokens: no even split either
+    rng = random.Random(1)
+    for launch in probe.launches(shape):
+        for _ in range(4):
+            kernels.check(launch, kv if launch.kind == "heads" else buffer, rng)
+    with pytest.raises(ValueError, match="vectors are not K and V of 2048 row heads"):
+        kernels.read(next(launch for launch in probe.launches(shape) if launch.kind == "heads"), buffer)
+    kernels.read = lambda launch, buffer: None  # a kernel that reads nothing fails the check
+    with pytest.raises(AssertionError, match="strided u2 t256 c1 missed the marker at vector 0 of 100003"):
+        kernels.check(probe.Launch("strided", 2, 256, 1), buffer, rng)
+
+
 def test_probe_decode_layout_engine_rows_are_the_allocators_tables():
     probe = benchmark_module("probe_decode_layout")
     shape = probe.Shape(batch=3, heads=4, kv_heads=2, head_dim=8, layers=2, prompt=20, context=45,

@@ -10,7 +10,7 @@
 # 3. STEPS (default "syncs suite bench"): probe_step_syncs, the whole `pytest -m gpu` suite, and, once
 #    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default
 #    ponytail,vllm); also `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS), `gemm`
-#    (probe_gemm at GEMM_ROWS through GEMM_METHODS) and `e2e`
+#    (probe_gemm at GEMM_ROWS through GEMM_METHODS), `bw` (probe_bandwidth: the card's read bandwidth) and `e2e`
 #    (serve_side_by_side: serve run against vllm serve); SUITE_TESTS narrows the suite. A second run in
 #    the same lease skips what the first built.
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
@@ -50,7 +50,7 @@ git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
 # A second lease.sh in the same lease (other STEPS) keeps what the first one built.
 # The tests build their own models: only the benchmarks read the random checkpoints.
-needs_models=0; for step in $STEPS; do case $step in attn|gemm|suite) ;; *) needs_models=1 ;; esac; done
+needs_models=0; for step in $STEPS; do case $step in attn|gemm|bw|suite) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f /tmp/ponytail-7b-random/config.json ]; then
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
@@ -109,6 +109,9 @@ for step in $STEPS; do
       (cd benchmarks && python3 probe_gemm.py --rows "${GEMM_ROWS:-64}" \
         --methods "${GEMM_METHODS:-linear_lt,transposed_lt,triton}" --json "$RES/gemm.json") > "$RES/gemm.log" 2>&1
       log "gemm: rc $?" ;;
+    bw)  # the card's read bandwidth at a decode step's read sizes: fixed's roofline
+      (cd benchmarks && python3 probe_bandwidth.py --json "$RES/bw.json") > "$RES/bw.log" 2>&1
+      log "bw: rc $?" ;;
     e2e)  # serve run deployments/app.yaml against vllm serve, the 135M shape, one server at a time
       if ! install_vllm; then log "e2e skipped"; continue; fi
       python3 benchmarks/serve_side_by_side.py --model /tmp/ponytail-smollm2-random --servers ponytail,vllm \
