@@ -31,7 +31,9 @@ opening, one prompt in six 1-2k tokens long) and reports the time of each engine
 --peers with vllm, --workload other than fixed, or --model: the side-by-side mode of peer_bench.py
 (workloads in peer_workloads.py; vLLM in its own process, vllm_peer.py). There a Ponytail peer may
 carry LLM arguments, to compare a setting with the defaults on the same requests in one run:
---peers "ponytail,ponytail:max_num_batched_tokens=16384,vllm".
+--peers "ponytail,ponytail:max_num_batched_tokens=16384,vllm"; decode.<key>=<int> sets a decode-kernel
+launch tunable and inductor.<option>=<value> a torch._inductor.config option while that peer runs:
+--peers "ponytail,ponytail:inductor.triton.enable_pdl=true" (programmatic dependent launch).
 """
 
 from __future__ import annotations

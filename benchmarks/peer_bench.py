@@ -46,15 +46,18 @@ VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True
 # LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included);
 # kv_cache_memory is --kv-memory's unless the peer names its own.
 _SET_HERE = {"model", "tokenizer", "compile_model", "dtype", "device"}
-# A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs.
+# A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs;
+# one named inductor.<option> patches torch._inductor.config's option (e.g. triton.enable_pdl) likewise.
 LAUNCH_PREFIX = "decode."
+INDUCTOR_PREFIX = "inductor."
 
 
 def parse_peer(peer: str) -> tuple[str, dict]:
     """'ponytail:max_num_batched_tokens=16384;decode.decode_warps=8' -> ('ponytail', {kwargs});
-    values are YAML scalars; decode.<key> names a decode-kernel launch tunable (an int), the rest LLM
-    arguments. A plain name comes back with no kwargs. Raises ValueError, naming the argument, for a
-    kwarg LLM does not take, one the benchmark sets itself, or an unknown launch key."""
+    values are YAML scalars; decode.<key> names a decode-kernel launch tunable (an int), inductor.<option>
+    an option of torch._inductor.config (a value of its default's type), the rest LLM arguments. A plain
+    name comes back with no kwargs. Raises ValueError, naming the argument, for a kwarg LLM does not
+    take, one the benchmark sets itself, or an unknown launch key or inductor option."""
     base, sep, rest = peer.partition(":")
     if not sep:
         return peer, {}
@@ -71,25 +74,54 @@ def parse_peer(peer: str) -> tuple[str, dict]:
                                  f"ponytail.attention.decode.LAUNCH ({', '.join(decode_kernel.LAUNCH)})")
             kwargs[name] = parsed
             continue
+        if eq and name.startswith(INDUCTOR_PREFIX):
+            kwargs[name] = inductor_option(peer, name, value)
+            continue
         if not eq or name not in allowed:
             raise ValueError(f"--peers {peer!r}: expected name=value with a name LLM takes; got {item!r} "
-                             f"(allowed: {', '.join(sorted(allowed))}, or decode.<launch key>)")
+                             f"(allowed: {', '.join(sorted(allowed))}, decode.<launch key> or inductor.<option>)")
         kwargs[name] = yaml.safe_load(value)
     return base, kwargs
 
 
+def inductor_option(peer: str, name: str, value: str):
+    """inductor.<option>=<value>: the option must be torch._inductor.config's, the value of its type."""
+    import torch._inductor.config as inductor_config
+
+    options = inductor_config.get_config_copy()
+    option, parsed = name[len(INDUCTOR_PREFIX):], yaml.safe_load(value)
+    if option not in options or type(parsed) is not type(options[option]):
+        expected = "an option of torch._inductor.config" if option not in options else (
+            f"a {type(options[option]).__name__}, as its default {options[option]!r}")
+        raise ValueError(f"--peers {peer!r}: {name}={value!r}: expected inductor.<option>=<value> with {expected}")
+    return parsed
+
+
 @contextlib.contextmanager
 def peer_launch(peer: str):
-    """The peer's decode.<key> overrides in ponytail.attention.decode.LAUNCH while it runs (its
-    engine plans and captures its decode launches with them), the previous values after."""
-    overrides = {k[len(LAUNCH_PREFIX):]: v for k, v in parse_peer(peer)[1].items() if k.startswith(LAUNCH_PREFIX)}
+    """The peer's decode.<key> overrides in ponytail.attention.decode.LAUNCH and its inductor.<option>
+    patches of torch._inductor.config while it runs (its engine plans, compiles and captures with them),
+    the previous values after. With inductor options, dynamo's caches are reset on the way in and out,
+    so that neither this peer nor the next reuses layers compiled under the other's options."""
+    own = parse_peer(peer)[1]
+    overrides = {k[len(LAUNCH_PREFIX):]: v for k, v in own.items() if k.startswith(LAUNCH_PREFIX)}
+    inductor = {k[len(INDUCTOR_PREFIX):]: v for k, v in own.items() if k.startswith(INDUCTOR_PREFIX)}
     saved = dict(decode_kernel.LAUNCH)
     decode_kernel.LAUNCH.update(overrides)
+    patch = contextlib.nullcontext()
+    if inductor:
+        import torch._inductor.config as inductor_config
+
+        torch._dynamo.reset()
+        patch = inductor_config.patch(inductor)
     try:
-        yield
+        with patch:
+            yield
     finally:
         decode_kernel.LAUNCH.clear()
         decode_kernel.LAUNCH.update(saved)
+        if inductor:
+            torch._dynamo.reset()
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +141,7 @@ def llm_args_for(peer: str, model) -> dict:
     leave it eager and unfused; "ponytail" gets what `LLM(dir)` chooses when it loads the model
     itself (compile_model, fuse_projections and column_major_weights on CUDA), then the peer's own arguments."""
     base, own = parse_peer(peer)
-    own = {k: v for k, v in own.items() if not k.startswith(LAUNCH_PREFIX)}  # see peer_launch
+    own = {k: v for k, v in own.items() if not k.startswith((LAUNCH_PREFIX, INDUCTOR_PREFIX))}  # see peer_launch
     compiled = VARIANTS[base]
     on_cuda = next(model.parameters()).device.type == "cuda"
     if compiled is None:

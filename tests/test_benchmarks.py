@@ -453,6 +453,25 @@ def test_a_peers_decode_launch_overrides_hold_while_it_runs_and_not_after():
     assert launch == before
 
 
+def test_a_peers_inductor_options_hold_while_it_runs_and_not_after():
+    import torch._inductor.config as inductor_config
+
+    peer_bench = benchmark_module("peer_bench")
+    peer = "ponytail:inductor.triton.enable_pdl=true;inductor.max_autotune=false"
+    assert peer_bench.parse_peer(peer)[1] == {"inductor.triton.enable_pdl": True, "inductor.max_autotune": False}
+    assert "inductor.triton.enable_pdl" not in peer_bench.llm_args_for(peer, torch.nn.Linear(2, 2))
+    before = inductor_config.triton.enable_pdl
+    with peer_bench.peer_launch(peer):
+        assert inductor_config.triton.enable_pdl is True
+    assert inductor_config.triton.enable_pdl == before
+    with pytest.raises(ValueError, match=r"inductor.triton.no_such_option='1': expected inductor.<option>=<value> "
+                                         r"with an option of torch._inductor.config"):
+        peer_bench.parse_peer("ponytail:inductor.triton.no_such_option=1")
+    with pytest.raises(ValueError, match=r"inductor.triton.enable_pdl='2': expected inductor.<option>=<value> "
+                                         r"with a bool, as its default False"):
+        peer_bench.parse_peer("ponytail:inductor.triton.enable_pdl=2")
+
+
 def test_bench_router_merge_pools_earlier_runs_as_one_with_each_files_rounds_apart(tmp_path):
     def load(router, round_index, ttfts):
         return {"round": round_index, "load": 0, "gap": 2.0, "requests": len(ttfts), "failed": 0, "errors": [],
