@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -86,8 +87,6 @@ def parse_peer(peer: str) -> tuple[str, dict]:
 
 def inductor_option(peer: str, name: str, value: str):
     """inductor.<option>=<value>: the option must be torch._inductor.config's, the value of its type."""
-    import torch._inductor.config as inductor_config
-
     options = inductor_config.get_config_copy()
     option, parsed = name[len(INDUCTOR_PREFIX):], yaml.safe_load(value)
     if option not in options or type(parsed) is not type(options[option]):
@@ -110,8 +109,6 @@ def peer_launch(peer: str):
     decode_kernel.LAUNCH.update(overrides)
     patch = contextlib.nullcontext()
     if inductor:
-        import torch._inductor.config as inductor_config
-
         torch._dynamo.reset()
         patch = inductor_config.patch(inductor)
     try:

@@ -28,7 +28,7 @@ import argparse
 import json
 import random
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,8 @@ from timing import graph_ms, median_ms, tbps
 MARKER = 0xDEADBEEF
 VECTOR = 16  # bytes a thread loads at once
 SWEEP_BYTES = 2 << 30  # buffers rotated per timed graph
+LAYER_READS = ("qkv", "kv", "o", "gate_up", "down")  # one layer's reads in a decode step, in the engine's order
+FIXED_CONTEXTS = (513, 1536)  # the first and last context fixed's decode steps attend (512-token prompts)
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,8 @@ class Shape:
         return self.rows * context * 2 * self.kv_heads * self.head_dim * self.dtype_bytes
 
     def step_reads(self, context: int) -> list[tuple[str, int]]:
-        w = self.weights()
-        layer = [("qkv", w["qkv"]), ("kv", self.kv_bytes(context)), ("o", w["o"]), ("gate_up", w["gate_up"]),
-                 ("down", w["down"])]
-        return layer * self.layers + [("lm_head", w["lm_head"])]
+        sizes = dict(self.weights(), kv=self.kv_bytes(context))
+        return [(name, sizes[name]) for name in LAYER_READS] * self.layers + [("lm_head", sizes["lm_head"])]
 
 
 @dataclass(frozen=True)
@@ -187,8 +187,7 @@ def best_launches(results: list[dict]) -> dict[str, Launch]:
     for r in results:
         if r["kind"] != "copy" and (r["read"] not in best or r["tb_per_s"] > best[r["read"]]["tb_per_s"]):
             best[r["read"]] = r
-    return {name: Launch(r["kind"], r["unroll"], r["threads"], r["ctas_per_sm"], r["chunks"], r["heads"],
-                         r["head_vectors"]) for name, r in best.items()}
+    return {name: Launch(**{f.name: r[f.name] for f in fields(Launch)}) for name, r in best.items()}
 
 
 def step(kernels: ReadKernels, shape: Shape, best: dict[str, Launch], contexts: list[int], iters: int) -> dict:
@@ -196,24 +195,23 @@ def step(kernels: ReadKernels, shape: Shape, best: dict[str, Launch], contexts: 
     w = shape.weights()
     weights = {(layer, name): torch.zeros(w[name], dtype=torch.uint8, device=device)
                for layer in range(shape.layers) for name in ("qkv", "o", "gate_up", "down")}
-    weights[(0, "lm_head")] = torch.zeros(w["lm_head"], dtype=torch.uint8, device=device)
+    lm_head = torch.zeros(w["lm_head"], dtype=torch.uint8, device=device)
     kv_pool = torch.zeros(shape.kv_bytes(max(contexts)), dtype=torch.uint8, device=device)
     rows = []
     step_ms = {}
     for context in contexts:
         reads = shape.step_reads(context)
         kv = kv_pool[:shape.kv_bytes(context)]
-        buffers = []
-        for i, (name, _) in enumerate(reads):
-            layer = 0 if name == "lm_head" else i // 5
-            buffers.append((best[name], kv if name == "kv" else weights[(layer, name)]))
+        buffers = [(best[name], kv if name == "kv" else weights[(layer, name)])
+                   for layer in range(shape.layers) for name in LAYER_READS] + [(best["lm_head"], lm_head)]
         ms = graph_ms(lambda: [kernels.read(launch, b) for launch, b in buffers], iters=iters, device=device)
         total = sum(size for _, size in reads)
         kv_total = sum(size for name, size in reads if name == "kv")
         step_ms[context] = ms
         rows.append({"context": context, "ms": ms, "bytes": total, "kv_bytes": kv_total, "tb_per_s": tbps(total, ms)})
-    return {"contexts": rows, "fixed_decode_s": decode_seconds(step_ms, 513, 1536),
-            "fixed_decode_bytes": sum(sum(size for _, size in shape.step_reads(c)) for c in range(513, 1537))}
+    first, last = FIXED_CONTEXTS
+    return {"contexts": rows, "fixed_decode_s": decode_seconds(step_ms, first, last),
+            "fixed_decode_bytes": sum(sum(size for _, size in shape.step_reads(c)) for c in range(first, last + 1))}
 
 
 def main() -> int:
