@@ -104,11 +104,6 @@ __device__ void copy_blocks(const unsigned long long* __restrict__ chunk_ptrs,
                                                          const i64* pairs, int chunk_blocks,   \
                                                          i64 layer_block_bytes) {              \
         copy_blocks<V, 4>(chunk_ptrs, pairs, chunk_blocks, layer_block_bytes);                 \
-    }                                                                                          \
-    extern "C" __global__ void copy_blocks_##SUFFIX##_u8(const unsigned long long* chunk_ptrs, \
-                                                         const i64* pairs, int chunk_blocks,   \
-                                                         i64 layer_block_bytes) {              \
-        copy_blocks<V, 8>(chunk_ptrs, pairs, chunk_blocks, layer_block_bytes);                 \
     }
 
 PONYTAIL_CACHE_OPS(v16, uint4)

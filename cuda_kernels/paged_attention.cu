@@ -544,7 +544,7 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
                                              v_head_stride, slots, window);                    \
     }
 
-// The shipped configuration per head size: l4s3v1 (4 CTAs of 4 warps fit one H200 SM).
+// One configuration per head size: l4s3v1 (52 KiB of shared memory a CTA, so 4 CTAs of 4 warps share an SM).
 #define PONYTAIL_DECODE_GROUPS(NAME, T, D)                                                      \
     PONYTAIL_DECODE(NAME, T, D, 1, 4, 3, 1)                                                     \
     PONYTAIL_DECODE(NAME, T, D, 2, 4, 3, 1)                                                     \
@@ -595,14 +595,6 @@ PONYTAIL_DECODE_HEAD_SIZES(bf16, bf16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp16, fp16_t)
 PONYTAIL_DECODE_HEAD_SIZES(fp32, float)
 
-// Tuning variants of the benchmarked shape (bf16, head_dim 128), for benchmarks/bench_attention.py.
-PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 4, 4, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 8, 3, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 4, 2, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 1, 8, 2, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 8, 3, 1)
-PONYTAIL_DECODE(bf16, bf16_t, 128, 4, 4, 4, 2)
 #endif  // PONYTAIL_WINDOWED
 
 // --------------------------------------------------------------------------- prefill gather

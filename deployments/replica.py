@@ -88,11 +88,13 @@ class EngineReplica:
         if reasoning_parser not in REASONING_PARSERS:
             raise ponytail.ConfigError(f"reasoning_parser={reasoning_parser!r} is not supported; allowed: "
                                        f"{', '.join(REASONING_PARSERS)}")
+        tuning = {name: value for name, value in (("prefill_delay_factor", prefill_delay_factor),
+                                                  ("fuse_projections", fuse_projections),
+                                                  ("column_major_weights", column_major_weights)) if value is not None}
         llm_kwargs = dict(model=model, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                           max_model_len=max_model_len, block_size=block_size, compile_model=compile_model,
                           gpu_memory_utilization=gpu_memory_utilization, keep_prefix_cache=keep_prefix_cache,
-                          prefill_delay_factor=prefill_delay_factor, fuse_projections=fuse_projections,
-                          prefill_attention=prefill_attention, column_major_weights=column_major_weights,
+                          prefill_attention=prefill_attention, tuning=tuning,
                           enforce_eager=enforce_eager, seed=seed, revision=revision,
                           trust_remote_code=trust_remote_code, scheduling_policy=scheduling_policy)
         if engine_process is None:

@@ -15,7 +15,7 @@ from .kv.config import CacheConfig
 from .errors import ConfigError, PonytailError
 from .kv.capacity import count_parameters, device_capacity
 from .kv.estimate import KVEstimate, estimate_from_config, estimate_kv_cache
-from .engine.token_budget import GPU_BATCHED_TOKENS, GPU_PREFILL_ONLY_BATCHED_TOKENS, token_budgets
+from .config import GPU_BATCHED_TOKENS, GPU_PREFILL_ONLY_BATCHED_TOKENS, token_budgets
 from .models.hub import check_hub_model, is_hub_id
 from .models.loader import default_checkpoint
 from .utils.units import parse_bytes
@@ -119,8 +119,8 @@ def _run_estimate(args: argparse.Namespace) -> int:
             capacity = device_capacity(
                 config, model_config.get_text_config(), count_parameters(model_config),
                 parse_bytes(args.device_memory, "device_memory"), gpu_memory_utilization=args.gpu_memory_utilization,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=token_budgets(
-                    "cuda", args.max_num_seqs, args.max_num_batched_tokens, args.prefill_only_batched_tokens).largest)
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=max(token_budgets(
+                    "cuda", args.max_num_seqs, args.max_num_batched_tokens, args.prefill_only_batched_tokens)))
         estimate = estimate_from_config(config, gpu_memory=args.gpu_memory, device=capacity)
     else:
         missing = [flag for flag, name in _SHAPE_FLAGS.items() if shape[name] is None]

@@ -87,7 +87,7 @@ def test_the_last_chunks_of_a_long_prompt_are_smaller_and_decode_rows_all_run(ti
 def test_context_aware_chunks_off_counts_tokens_only(tiny_model):
     model, tokenizer = tiny_model
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=8, max_model_len=1600,
-                       max_num_batched_tokens=64, context_aware_chunks=False)
+                       max_num_batched_tokens=64, tuning={"context_aware_chunks": False})
     assert llm.engine.scheduler.context_cost == 0
     long = llm.engine.add_request(list(range(100, 1600)), SamplingParams(max_tokens=1))
     seen = recording(llm.engine.scheduler)
@@ -98,9 +98,9 @@ def test_context_aware_chunks_off_counts_tokens_only(tiny_model):
 
 def test_context_aware_chunks_is_checked(tiny_model):
     model, tokenizer = tiny_model
-    with pytest.raises(ConfigError, match=r"context_aware_chunks='yes' must be True, False or None \(None: on "
-                                          r"for the CPU, off on CUDA devices\)"):
-        ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", context_aware_chunks="yes")
+    with pytest.raises(ConfigError, match=r"context_aware_chunks='yes' is not supported; allowed: True, False or "
+                                          r"None \(the device's default\)"):
+        ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", tuning={"context_aware_chunks": "yes"})
 
 
 def test_the_cpu_default_budget_is_128_tokens(tiny_model):

@@ -621,7 +621,7 @@ def test_compile_defaults_to_off_on_the_cpu(small_model):
     model, tokenizer = small_model
     ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128)
     assert not any("forward" in vars(layer) for layer in model.model.layers)
-    with pytest.raises(ConfigError, match="compile_model='yes' must be True, False or None"):
+    with pytest.raises(ConfigError, match=r"compile_model='yes' is not supported; allowed: True, False or None"):
         ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", compile_model="yes")
 
 

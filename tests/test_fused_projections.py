@@ -86,7 +86,7 @@ def test_engine_with_fused_projections_keeps_greedy_output(default_model):
     expected = [plain_greedy(model, p, 6) for p in prompts]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128,
-                       fuse_projections=True)
+                       tuning={"fuse_projections": True})
     try:
         assert all("forward" in vars(m) for m in members(model))
         assert [o.token_ids for o in llm.generate(prompts, params)] == expected
@@ -104,7 +104,7 @@ def test_compiled_layers_trace_the_fused_gemm(default_model):
     torch._dynamo.utils.counters.clear()
     try:
         llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128,
-                           compile_model=True, fuse_projections=True)
+                           compile_model=True, tuning={"fuse_projections": True})
         outputs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
         # The fused call keeps Python state between members; dynamo must trace it, not break on it.
@@ -128,7 +128,8 @@ def test_fuse_projections_refuses_what_it_cannot_fuse(default_model):
     with pytest.raises(ConfigError, match="fuse_projections=True found nothing to fuse in LlamaForCausalLM"):
         fuse_projections(model)
     with pytest.raises(ConfigError, match=r"fuse_projections='yes' is not supported; allowed: True, False or None"):
-        ponytail.LLM(llama(), tokenizer=default_model[1], kv_cache_memory="4MiB", fuse_projections="yes")
+        ponytail.LLM(llama(), tokenizer=default_model[1], kv_cache_memory="4MiB",
+                     tuning={"fuse_projections": "yes"})
     no_layers = torch.nn.Linear(4, 4)
     assert not can_fuse(no_layers)
     with pytest.raises(ConfigError, match="fuse_projections=True needs a decoder with a `layers` list; Linear"):

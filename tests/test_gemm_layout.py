@@ -73,7 +73,8 @@ def test_engine_with_column_major_weights_keeps_greedy_output(default_model):
     torch._dynamo.reset()
     try:
         llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="4MiB", max_num_seqs=4, max_model_len=128,
-                           column_major_weights=True, fuse_projections=True, compile_model=True)
+                           compile_model=True,
+                           tuning={"column_major_weights": True, "fuse_projections": True})
         assert all(is_column_major(m.weight) for m in layer_linears(model))
         outputs = llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
         assert [o.token_ids for o in outputs] == expected
@@ -89,7 +90,8 @@ def test_default_leaves_cpu_and_handed_over_models_as_they_are(default_model):
     assert not any(is_column_major(m.weight) for m in layer_linears(model))
     assert "forward" not in vars(model)  # cuBLASLt only for CUDA devices
     with pytest.raises(ConfigError, match=r"column_major_weights='yes' is not supported; allowed: True, False or None"):
-        ponytail.LLM(llama(), tokenizer=default_model[1], kv_cache_memory="4MiB", column_major_weights="yes")
+        ponytail.LLM(llama(), tokenizer=default_model[1], kv_cache_memory="4MiB",
+                     tuning={"column_major_weights": "yes"})
     with pytest.raises(ConfigError, match="column_major_weights=True needs a decoder with a `layers` list; Linear"):
         column_major_weights(torch.nn.Linear(4, 4))
 

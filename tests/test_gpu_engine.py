@@ -150,7 +150,7 @@ def test_compiled_layers_with_cuda_graphs_keep_greedy_output(monkeypatch, fuse_p
                              eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(p):].tolist())
     llm = ponytail.LLM(model, kv_cache_memory="64MiB", max_num_seqs=8, max_model_len=512, compile_model=True,
-                       fuse_projections=fuse_projections, column_major_weights=column_major)
+                       tuning={"fuse_projections": fuse_projections, "column_major_weights": column_major})
     try:
         outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     finally:

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CORE = ROOT / "ponytail_core"
 
 # Bottom to top; a module may import its own layer and the layers below (docs/design.md).
-LAYERS = ["errors", "utils", "kernels", "kv", "attention", "sampling", "models", "runner", "engine",
+LAYERS = ["errors", "utils", "kernels", "kv", "attention", "sampling", "models", "config", "runner", "engine",
           "plugin", "llm", "engine_core", "async_llm", "process_llm", "bench", "serve_command", "cli", "__init__"]
 MAX_LINES = 400
 

@@ -23,7 +23,7 @@ class Clock:
 def engine_with_clock(tiny_model, factor):
     model, tokenizer = tiny_model
     llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=8, max_model_len=512,
-                       prefill_delay_factor=factor)
+                       tuning={"prefill_delay_factor": factor})
     clock = Clock()
     llm.engine.scheduler.clock = clock
     return llm.engine, clock
@@ -113,7 +113,7 @@ def test_outputs_are_the_same_with_and_without_the_wait(tiny_model):
     outputs = []
     for factor in (0.0, 1.0):
         llm = ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=8, max_model_len=512,
-                           prefill_delay_factor=factor)
+                           tuning={"prefill_delay_factor": factor})
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert outputs[0] == outputs[1]
 
@@ -125,7 +125,7 @@ def test_the_default_and_bad_values(tiny_model):
     for bad in (-1, float("nan"), "1", True):
         with pytest.raises(ConfigError, match=r"prefill_delay_factor=.* is not supported; allowed: a number >= 0"):
             ponytail.LLM(model, tokenizer=tokenizer, kv_cache_memory="16MiB", max_num_seqs=4, max_model_len=256,
-                         prefill_delay_factor=bad)
+                         tuning={"prefill_delay_factor": bad})
 
 
 def test_prompts_that_fill_the_step_do_not_wait(tiny_model):

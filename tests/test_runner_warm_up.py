@@ -66,12 +66,12 @@ def test_the_warm_up_starts_with_the_largest_step_cut_into_prompts_the_model_tak
 
 
 def test_the_engine_warms_up_at_its_largest_budget(small_model):
-    llm = make_llm(small_model, max_num_batched_tokens=96, prefill_only_batched_tokens=200)
+    llm = make_llm(small_model, max_num_batched_tokens=96, tuning={"prefill_only_batched_tokens": 200})
     assert llm.engine.runner.max_step_tokens == 200
 
 
 def test_a_warm_up_step_out_of_device_memory_names_the_step_budgets(small_model):
-    llm = make_llm(small_model, prefill_only_batched_tokens=200)
+    llm = make_llm(small_model, tuning={"prefill_only_batched_tokens": 200})
     runner = llm.engine.runner
     forward = runner._forward
 

@@ -28,33 +28,16 @@ _LOG2E = 1.4426950408889634
 # Launch tunables, read in this module and nowhere else.
 LAUNCH = {
     "decode_warps": 4,  # warps per decode CTA; each streams its own steps of tokens
-    # The next three are compiled into the kernel names (..._l4s3v1); paged_attention.cu ships
-    # l4s3v1 for every group, plus tuning variants for bf16 / head_dim 128 (l4s4v1, l8s3v1, l4s4v2;
-    # for one head a CTA also l4s2v1, l8s2v1).
-    # On an H200, l4s3 (52 KiB of shared memory: 4 CTAs per SM) beat l4s4 (3 CTAs) by 5-20%.
+    # The next three are compiled into the kernel names (..._l4s3v1): paged_attention.cu instantiates
+    # this one configuration (52 KiB of shared memory a CTA: 4 CTAs share an SM).
     "decode_loads": 4,  # 16-byte K (and V) vectors per lane per step
-    "decode_stages_g1": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight),
-    "decode_stages_g2": 3,  # by query heads per CTA
-    "decode_stages_g4": 3,
-    "decode_stages_g8": 3,
-    "decode_row_vectors": 1,  # 16-byte vectors of a K/V row per lane (2: fewer shuffles, more registers)
+    "decode_stages": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight)
+    "decode_row_vectors": 1,  # 16-byte vectors of a K/V row per lane
     "max_heads_per_cta": 8,  # query heads sharing one KV head in one CTA: 1, 2, 4 or 8
     "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
     "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
     "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
-    # 1: only power-of-two split counts. On an H100 every plan of 3, 5, 6 or 7 splits ran 8-14% under
-    # the plans of 1, 2 or 4 (docs/benchmarks.md, thirty-second session), and mixed, whose 192-256-row
-    # decode graphs planned 3 splits of the 8k table, ran 0.3-0.5% faster with it (thirty-fifth).
-    "pow2_splits": 1,
-    # 1: an engine step's decode rows hand their new K/V to the decode kernel, which writes them (one
-    # launch fewer per layer and step); 0: cache_ops.write_slots writes them before it runs.
-    "write_new_token": 1,
 }
-
-
-def writes_new_token() -> bool:
-    """Whether the engine hands the decode rows' new K/V to the kernel (LAUNCH["write_new_token"])."""
-    return bool(LAUNCH["write_new_token"])
 
 
 def decode_choice(choice: kernel_loader.KernelChoice, head_dim: int) -> kernel_loader.KernelChoice:
@@ -115,20 +98,20 @@ def plan_splits(base_ctas: int, max_tokens: int, block_size: int, resident_ctas:
     min_split_tokens. split_tokens is a multiple of block_size.
     """
     return _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, LAUNCH["max_split_blocks"],
-                        LAUNCH["min_split_tokens"], LAUNCH["split_overhead_tokens"], bool(LAUNCH["pow2_splits"]))
+                        LAUNCH["min_split_tokens"], LAUNCH["split_overhead_tokens"])
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan_splits(base_ctas, max_tokens, block_size, resident_ctas, max_split_blocks, min_split_tokens,
-                 overhead_tokens, pow2: bool = False) -> tuple[int, int]:
+                 overhead_tokens) -> tuple[int, int]:
     if max_tokens == 0:
         return 1, block_size
     fewest = cdiv(max_tokens, max_split_blocks * block_size)
     most = max(fewest, max_tokens // max(min_split_tokens, 1))
-    counts = range(fewest, most + 1)
-    if pow2:  # powers of two from the one at or above fewest (the table must fit) up to most
-        first = 1 << (fewest - 1).bit_length()
-        counts = [first << k for k in range(max(most // first, 1).bit_length())]
+    # Powers of two only, from the one at or above fewest (the table must fit) up to most: plans of
+    # 3, 5, 6 or 7 splits measured slower than those of 1, 2 or 4 (docs/engine.md).
+    first = 1 << (fewest - 1).bit_length()
+    counts = [first << k for k in range(max(most // first, 1).bit_length())]
     best = None
     for splits in counts:
         split_tokens = cdiv(cdiv(max_tokens, splits), block_size) * block_size
@@ -173,7 +156,7 @@ def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int
     group_size = heads // c.num_kv_heads
     group = min(LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
     groups = cdiv(group_size, group)
-    stages = LAUNCH[f"decode_stages_g{group}"]
+    stages = LAUNCH["decode_stages"]
     name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
             f"s{stages}v{LAUNCH['decode_row_vectors']}" + ("" if window is None else "_w"))
     kernel = kernel_loader.get_kernel(SOURCE, name, storage.device, () if window is None else WINDOWED)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .detokenizer import IncrementalDetokenizer, make_detokenizer
+from ..config import EngineConfig
 from ..errors import ConfigError
 from ..runner.model_runner import ModelRunner
 from ..kv.paged_cache import PagedKVCache
@@ -38,7 +39,7 @@ from ..sampling.logprob import TokenTexts
 from ..runner.inputs import ScheduledChunk
 from .samples import deferred_output, fork_samples, request_output, start_group
 from .scheduler import Scheduler
-from .token_budget import TokenBudgets
+from .chunk_cost import context_cost
 from .logprobs import logprob_entry, record_prompt_logprobs
 from .stats import EngineStats
 from .step_sampling import StepBatches
@@ -74,33 +75,29 @@ class _Launched:
 class LLMEngine:
     """async_scheduling: launch step N+1 before reading step N's tokens back, so the device always
     has queued work while the host processes outputs and schedules (vLLM v1's async scheduling).
-    Outputs are the same as without it. `cache` is the KV pool (LLM builds it with its policy), context_cost,
-    prefill_delay_factor and prefill_only_batched_tokens go to the scheduler (chunk_cost.py; scheduler.py;
-    token_budget.py), runner_options to the model runner (fuse_projections, prefill_varlen, column_major_weights)."""
+    Outputs are the same as without it. `cache` is the KV pool (LLM sizes it); `config` is resolved
+    (EngineConfig.resolved): the runner and the scheduler each take their part of it."""
 
     MAINTAIN_EVERY = 16  # steps between pool maintenance (grow / defragment / give memory back)
 
-    def __init__(self, model, tokenizer, cache: PagedKVCache, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int, cuda_graphs: bool = False,
-                 compile_model: bool = False, async_scheduling: bool = False, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0, scheduling_policy: str = "fcfs",
-                 prefill_only_batched_tokens: int | None = None, **runner_options):
+    def __init__(self, model, tokenizer, cache: PagedKVCache, config: EngineConfig):
         self.model, self.tokenizer = model, tokenizer
-        self.max_model_len = max_model_len
+        self.max_model_len = config.model.max_model_len
         self.cache = cache
-        budgets = TokenBudgets(max_num_batched_tokens, prefill_only_batched_tokens or max_num_batched_tokens)
-        self.runner = ModelRunner(model, self.cache, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                                  cuda_graphs=cuda_graphs, compile_model=compile_model,
-                                  max_step_tokens=budgets.largest, **runner_options)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens, max_model_len, context_cost=context_cost,
-                                   prefill_delay_factor=prefill_delay_factor, step_overhead=self.runner.step_overhead,
-                                   policy=scheduling_policy, prefill_only_batched_tokens=prefill_only_batched_tokens)
+        self.runner = ModelRunner(model, self.cache, config.runner, config.tuning,
+                                  max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
+                                  max_step_tokens=max(config.scheduler.max_num_batched_tokens,
+                                                      config.tuning.prefill_only_batched_tokens))
+        text_config = model.config.get_text_config()
+        self.scheduler = Scheduler(self.cache, config.scheduler, config.tuning, self.max_model_len,
+                                   context_cost=context_cost(text_config) if config.tuning.context_aware_chunks else 0.0,
+                                   step_overhead=self.runner.step_overhead)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)
         if eos is None and tokenizer is not None:
             eos = tokenizer.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = config.runner.async_scheduling
         # Structured outputs compile in the compiler's own thread (it starts none until asked).
         self.grammars = (GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
                          if tokenizer is not None else None)

@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..config import SchedulerConfig, TuningConfig
 from ..errors import ConfigError, ContextLengthError
 from ..kv.paged_cache import PagedKVCache
 from ..runner.inputs import ScheduledChunk
@@ -45,12 +46,6 @@ from ..utils.arith import cdiv
 
 
 MAX_PREFILL_DELAY_S = 0.1  # the most a prompt is held for others to join it (a TTFT cost)
-POLICIES = ("fcfs", "priority")  # vLLM's scheduling policies
-
-
-def check_policy(policy: object) -> None:
-    if policy not in POLICIES:
-        raise ConfigError(f"scheduling_policy={policy!r} is not supported; allowed: {', '.join(POLICIES)}")
 
 
 @dataclass(slots=True)
@@ -63,24 +58,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, watermark: float = 0.01, context_cost: float = 0.0,
-                 prefill_delay_factor: float = 0.0, step_overhead: StepOverhead | None = None,
-                 clock: Callable[[], float] = time.monotonic, policy: str = "fcfs",
-                 prefill_only_batched_tokens: int | None = None):
-        check_policy(policy)
-        self.policy = policy
+    def __init__(self, cache: PagedKVCache, config: SchedulerConfig, tuning: TuningConfig, max_model_len: int,
+                 watermark: float = 0.01, context_cost: float = 0.0, step_overhead: StepOverhead | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        """config and tuning resolved (EngineConfig.resolved): every budget is a number."""
+        self.policy = config.scheduling_policy
         self.cache = cache
-        self.prefill_delay_factor = prefill_delay_factor
+        self.prefill_delay_factor = tuning.prefill_delay_factor
         self.step_overhead = step_overhead  # what sharing a prefill step saves; None: weigh the last one's duration
         self.clock = clock  # the clock of Request.metrics.arrival_time
         self.prefill_step_s = 0.0  # how long the last step with a prefill took (schedule call to the next)
         self._prefill_scheduled_at: float | None = None
         self.context_cost = context_cost  # chunk_cost.context_cost, or 0: every token counts one
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        # A step where nobody decodes (engine/token_budget.py); None: the same budget as any step.
-        self.prefill_only_batched_tokens = prefill_only_batched_tokens or max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.prefill_only_batched_tokens = tuning.prefill_only_batched_tokens  # a step where nobody decodes
         self.max_model_len = max_model_len
         self.watermark_blocks = int(watermark * cache.max_blocks)
         self.waiting: deque[Request] = deque()

@@ -14,6 +14,7 @@ from .cpu_head import prepacked_head
 from .residual_handoff import check_consumed
 from .step_cache import DecodeRows, PackedStep, PackedStepCache, PrefillChunks, fill_inputs
 from .step_overhead import PROMPT_TOKENS, StepOverhead, measure_step_overhead
+from ..config import RunnerConfig, TuningConfig
 from ..errors import ConfigError, KernelError
 from ..kv.paged_cache import PagedKVCache
 from .inputs import ScheduledChunk
@@ -58,36 +59,34 @@ def prompt_logit_positions(chunks: list[ScheduledChunk]) -> list[tuple[Scheduled
 
 
 class ModelRunner:
-    """cuda_graphs: replay captured decode graphs for steps with no prefill (CUDA only);
-    compile_model: torch.compile the decoder layers around the attention call (compile.py);
-    fuse_projections: one GEMM for q/k/v and one for gate/up in every layer (fused_projections.py);
-    column_major_weights: projection weights stored column-major, GEMMs through cuBLASLt on CUDA (gemm_layout.py);
-    prefill_varlen: the prefill chunks' varlen kernel on CUDA, "flash" or "fa4" (attention/fa4.py);
-    max_step_tokens: the most tokens the scheduler puts in one step, the warm-up's first step (warm_up_steps)."""
+    """Runs engine steps through the model, changed first as `runner` and `tuning` ask (both resolved:
+    EngineConfig.resolved): column-major weights through cuBLASLt (gemm_layout.py), fused q/k/v and
+    gate/up GEMMs (fused_projections.py), compiled decoder layers (compile.py), captured decode graphs
+    (cuda_graphs.py). max_step_tokens: the most tokens the scheduler puts in one step, the warm-up's
+    first step (warm_up_steps)."""
 
-    def __init__(self, model, cache: PagedKVCache, *, max_num_seqs: int, max_model_len: int,
-                 cuda_graphs: bool = False, compile_model: bool = False, fuse_projections: bool = False,
-                 prefill_varlen: str = "flash", column_major_weights: bool = False, max_step_tokens: int = 0):
+    def __init__(self, model, cache: PagedKVCache, runner: RunnerConfig, tuning: TuningConfig, *,
+                 max_num_seqs: int, max_model_len: int, max_step_tokens: int = 0):
         self.model = model
         self.device = cache.config.device
         self.max_model_len = max_model_len
         self.max_step_tokens = max_step_tokens
         hf_attention.switch_model(model, keep_fallback=False)  # the engine owns the model: plain masks only
-        if column_major_weights:  # before fusing, compiling and capture: all three keep or record the layout
+        if tuning.column_major_weights:  # before fusing, compiling and capture: all three keep or record the layout
             from .gemm_layout import column_major_weights as relayout, forward_through_cublaslt
 
             relayout(model)
             if self.device.type == "cuda":
                 forward_through_cublaslt(model)
-        if fuse_projections:
+        if tuning.fuse_projections:
             from .fused_projections import fuse_projections as fuse
 
             fuse(model)  # before compiling and capture: both record the fused GEMMs
-        if compile_model:
+        if runner.compile_model:
             from .compile import compile_decoder_layers
 
             compile_decoder_layers(model)  # before capture: the graphs record the fused kernels
-        self.hf_cache = PackedStepCache(cache, prefill_varlen)
+        self.hf_cache = PackedStepCache(cache, runner.prefill_attention or "flash")
         self.block_size = cache.config.block_size
         self.sdpa_shapes = SdpaShapes()  # prefill run shapes seen: SDPA (cuDNN plans) only for recurring ones
         # On the CPU the vocabulary projection runs through oneDNN with its weight reordered once (cpu_head.py).
@@ -96,7 +95,7 @@ class ModelRunner:
         self.step_overhead: StepOverhead | None = None  # with graphs: what the scheduler's prefill delay weighs
         if self.device.type == "cuda":
             self.warm_up()
-        if cuda_graphs:
+        if runner.cuda_graphs:
             from .cuda_graphs import DecodeGraphs
 
             with torch.inference_mode():

@@ -11,7 +11,7 @@ On the torch path (the CPU) every row that reads the blocks goes through one pla
 (attention/torch_varlen.py), unpadded.
 
 On CUDA the decode kernel writes the decode rows' new K/V itself (attention/decode.py's
-NewTokenKV, LAUNCH["write_new_token"]); the prefill chunks' go through cache_ops.write_slots.
+NewTokenKV: one launch fewer per layer); the prefill chunks' go through cache_ops.write_slots.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..attention.chunks import ChunkRun, attention_over_new_tokens
-from ..attention.decode import NewTokenKV, writes_new_token
+from ..attention.decode import NewTokenKV
 from ..attention.fa4 import fa4_pages_problem
 from ..attention.hf_cache_base import PagedCacheBase
 from ..attention.paged import paged_attention, paged_attention_varlen
@@ -94,7 +94,7 @@ class PackedStepCache(PagedCacheBase):
         new_kv = None  # the decode rows' K/V, when the decode kernel writes them
         if self._writes is not None:
             self._writes.write(layer_idx, key[0].transpose(0, 1), value[0].transpose(0, 1))
-        elif step.decode is not None and writes_new_token():
+        elif step.decode is not None:
             rows = step.decode.rows
             new_kv = NewTokenKV(key[0, :, :rows].transpose(0, 1), value[0, :, :rows].transpose(0, 1),
                                 step.slot_mapping[:rows])
