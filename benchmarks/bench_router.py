@@ -67,9 +67,10 @@ from ray import serve
 from transformers import AutoConfig, AutoTokenizer
 
 import ponytail
-from deployments.app import build
-from deployments.args import AppArgs
-from deployments.reports import replica_reports
+from deployments.app.builder import build
+from deployments.app.args import AppArgs
+from serve_args import engine_names, known, nested
+from deployments.app.reports import replica_reports
 
 from chat_workload import ChatShape, run_chat, sessions as chat_sessions
 
@@ -284,8 +285,8 @@ def router_args(name: str) -> dict | None:
     extra = {}
     for item in filter(None, rest.split(";")):
         key, eq, value = (part.strip() for part in item.partition("="))
-        if not eq or key not in AppArgs.model_fields or key in _SET_BY_BENCH:
-            allowed = sorted(set(AppArgs.model_fields) - _SET_BY_BENCH)
+        if not eq or not known(key, AppArgs.model_fields) or key in _SET_BY_BENCH:
+            allowed = sorted((set(AppArgs.model_fields) | engine_names()) - _SET_BY_BENCH - {"engine"})
             raise ValueError(f"--routers {name + sep + rest!r}: expected key=value with an app arg the benchmark "
                              f"does not set itself; got {item!r} (allowed: {', '.join(allowed)})")
         extra[key] = yaml.safe_load(value)
@@ -430,7 +431,7 @@ def main() -> int:
             for router in routers if round_index % 2 == 0 else routers[::-1]:
                 path = re.sub(r"[^A-Za-z0-9_.-]+", "-", router.replace("@", "-w")).strip("-")
                 name = f"ponytail-{path}"
-                serve.run(build({**engine, **router_args(router), "min_replicas": 2, "max_replicas": 2}), name=name,
+                serve.run(build(nested({**engine, **router_args(router), "min_replicas": 2, "max_replicas": 2})), name=name,
                           route_prefix=f"/{path}")
                 base = f"http://127.0.0.1:{port}/{path}/v1"
                 run_load(base, warmup, 4, len(warmup), 0)  # compile, first pool growth

@@ -190,7 +190,7 @@ def openai_checks(port: int, model_dir: Path) -> dict:
 
 
 def replica_checks(device: str) -> dict:
-    from deployments.reports import replica_reports
+    from deployments.app.reports import replica_reports
 
     reports = replica_reports(APP_NAME, replicas=2)
     replicas = {name: {"device": r.info.device, "device_uuid": r.info.device_uuid, "model_id": r.info.model_id,

@@ -128,7 +128,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         base_url = args.base_url
         if args.local:
-            from deployments.local_server import local_server
+            from deployments.app.local_server import local_server
 
             _, base_url = stack.enter_context(local_server())
         scores = run(base_url, args.limit)

@@ -13,8 +13,8 @@ fails is not timed; `--check-tokens 0` skips the check and says so.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
-import inspect
 import json
 import os
 import sys
@@ -34,6 +34,7 @@ import ponytail
 from ponytail import SamplingParams
 from ponytail.attention import decode as decode_kernel
 from ponytail.bench.output_check import check_outputs
+from ponytail.config import TuningConfig, field_owners
 from ponytail.runner.compile import can_compile, restore_decoder_layers
 from ponytail.runner.fused_projections import can_fuse, unfuse_projections
 from ponytail.runner.gemm_layout import row_major_weights
@@ -47,6 +48,7 @@ VARIANTS = {"ponytail": None, "ponytail_eager": False, "ponytail_compiled": True
 # LLM arguments every Ponytail peer gets from the benchmark (the variant's own compile_model included);
 # kv_cache_memory is --kv-memory's unless the peer names its own.
 _SET_HERE = {"model", "tokenizer", "compile_model", "dtype", "device"}
+TUNING = {field.name for field in dataclasses.fields(TuningConfig)}  # named flat in a peer, passed as tuning
 # A peer argument named decode.<key> overrides ponytail.attention.decode.LAUNCH[key] while that peer runs;
 # one named inductor.<option> patches torch._inductor.config's option (e.g. triton.enable_pdl) likewise.
 LAUNCH_PREFIX = "decode."
@@ -64,7 +66,7 @@ def parse_peer(peer: str) -> tuple[str, dict]:
         return peer, {}
     if base not in VARIANTS:
         raise ValueError(f"--peers {peer!r}: LLM arguments go after one of {', '.join(VARIANTS)}, not {base!r}")
-    allowed = set(inspect.signature(ponytail.LLM.__init__).parameters) - _SET_HERE - {"self"}
+    allowed = (set(field_owners()) | TUNING) - _SET_HERE
     kwargs = {}
     for item in filter(None, rest.split(";")):
         name, eq, value = (part.strip() for part in item.partition("="))
@@ -82,7 +84,8 @@ def parse_peer(peer: str) -> tuple[str, dict]:
             raise ValueError(f"--peers {peer!r}: expected name=value with a name LLM takes; got {item!r} "
                              f"(allowed: {', '.join(sorted(allowed))}, decode.<launch key> or inductor.<option>)")
         kwargs[name] = yaml.safe_load(value)
-    return base, kwargs
+    tuning = {name: kwargs.pop(name) for name in list(kwargs) if name in TUNING}  # LLM takes them as tuning={...}
+    return base, {**kwargs, "tuning": tuning} if tuning else kwargs
 
 
 def inductor_option(peer: str, name: str, value: str):
@@ -143,8 +146,9 @@ def llm_args_for(peer: str, model) -> dict:
     on_cuda = next(model.parameters()).device.type == "cuda"
     if compiled is None:
         compiled = on_cuda and can_compile(model)
-    return {"compile_model": compiled, "fuse_projections": on_cuda and can_fuse(model),
-            "column_major_weights": on_cuda and can_compile(model), **own}
+    tuning = {"fuse_projections": on_cuda and can_fuse(model), "column_major_weights": on_cuda and can_compile(model),
+              **own.pop("tuning", {})}
+    return {"compile_model": compiled, "tuning": tuning, **own}
 
 
 def restore_model(model) -> None:
@@ -248,7 +252,7 @@ def largest_live_tensors(model, device_type: str, top: int = 4) -> list[dict]:
     storages = {}  # data pointer -> (elements, shape, dtype, bytes) of its largest view
     for obj in gc.get_objects():
         # torch.compile leaves fake tensors alive: no memory of their own, and a data pointer that
-        # warns (0) or raises (lease 67 stopped there)
+        # warns (0) or raises (a peer stopped there once)
         if not isinstance(obj, torch.Tensor) or isinstance(obj, FakeTensor) or obj.device.type != device_type:
             continue
         try:

@@ -31,6 +31,7 @@ from pathlib import Path
 import yaml
 
 from bench_serve import parse_levels, print_report, requests_for, run_level
+from serve_args import known, nested
 
 ROOT = Path(__file__).resolve().parent.parent
 PONYTAIL_PORT, VLLM_PORT = 8000, 8001
@@ -39,12 +40,16 @@ PONYTAIL_PORT, VLLM_PORT = 8000, 8001
 def ponytail_config(model: str, overrides: dict[str, str]) -> dict:
     """deployments/app.yaml with the model and the given app args replaced (the args' types are
     AppArgs' to check: a typo fails the app's start, named)."""
+    from deployments.app.args import AppArgs
+
     config = yaml.safe_load((ROOT / "deployments" / "app.yaml").read_text())
     args = config["applications"][0]["args"]
-    unknown = [name for name in overrides if name not in args]
+    unknown = [name for name in overrides if not known(name, AppArgs.model_fields)]
     if unknown:
-        raise SystemExit(f"--servers: unknown app args {unknown}; allowed: {', '.join(args)}")
-    args.update({"model": model, **{name: yaml.safe_load(value) for name, value in overrides.items()}})
+        raise SystemExit(f"--servers: unknown app args {unknown}; allowed: the app's args and LLM's arguments "
+                         "(docs/configuration.md)")
+    given = nested({name: yaml.safe_load(value) for name, value in overrides.items()})
+    args.update({"model": model, **given, "engine": {**args.get("engine", {}), **given.get("engine", {})}})
     return config
 
 

@@ -192,7 +192,7 @@ def _check_loopback(url: str) -> None:
 def _engine_reports() -> dict:
     from ray import serve
 
-    from deployments.reports import replica_reports
+    from deployments.app.reports import replica_reports
 
     status = serve.status().applications["ponytail"].deployments["EngineReplica"]
     return replica_reports("ponytail", replicas=max(1, status.replica_states.get("RUNNING", 0)))
@@ -231,7 +231,8 @@ def started_app(args_json: str):
     import ray
     from ray import serve
 
-    from deployments.app import build
+    from deployments.app.builder import build
+    from serve_args import nested
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     with socket.socket() as s:  # after Ray's own processes took their ports
@@ -241,7 +242,7 @@ def started_app(args_json: str):
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app_args = {"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,
                     "max_queued_requests": 8, "min_replicas": 1, "max_replicas": 1, **json.loads(args_json)}
-        serve.run(build(app_args), name="ponytail", route_prefix="/")
+        serve.run(build(nested(app_args)), name="ponytail", route_prefix="/")
         yield f"http://127.0.0.1:{port}", app_args.get("api_key")
     finally:
         serve.shutdown()

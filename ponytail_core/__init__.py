@@ -10,6 +10,7 @@ check_transformers()
 from .kv.blocks import Allocation, NoRoom, prefix_block_hashes  # noqa: E402
 from .kv.prefix_events import PrefixEvent, PrefixEventLog  # noqa: E402
 from .kv.config import DEFAULT_BLOCK_SIZE, CacheConfig  # noqa: E402
+from .config import EngineConfig  # noqa: E402
 from .plugin.create import create_cache  # noqa: E402
 from .errors import ConfigError, ContextLengthError, EngineDeadError, KernelError, PonytailError  # noqa: E402
 from .kv.estimate import KVEstimate, estimate_kv_cache  # noqa: E402
@@ -18,7 +19,7 @@ from .plugin.cache import PonytailCache  # noqa: E402
 from .llm import LLM  # noqa: E402
 from .process_llm import ProcessAsyncLLM  # noqa: E402
 from .engine.stats import EngineStats  # noqa: E402
-from .models.loader import load_model, load_tokenizer  # noqa: E402
+from .models.loader import load_model, load_tokenizer, prefetch_model  # noqa: E402
 from .models.chat_template import check_chat_template_options, is_chat_template, render_chat  # noqa: E402
 from .kv.paged_cache import CacheStats, DefragResult, PagedKVCache  # noqa: E402
 from .engine.request import CompletionOutput, RequestOutput  # noqa: E402
@@ -36,6 +37,7 @@ __all__ = [
     "BeamSearchParams",
     "BeamSearchSequence",
     "CompletionOutput",
+    "EngineConfig",
     "EngineStats",
     "LLM",
     "ProcessAsyncLLM",
@@ -69,5 +71,6 @@ __all__ = [
     "is_seconds",
     "load_model",
     "load_tokenizer",
+    "prefetch_model",
     "prefix_block_hashes",
 ]

@@ -1,10 +1,12 @@
-"""The `ponytail` command. One subcommand per job: `estimate` sizes a KV cache, `serve` serves a
-model (serve_command.py)."""
+"""The `ponytail` command. One subcommand per job: `estimate` sizes a KV cache, `bench` checks the
+engine on a model; installed packages add more through the entry point group `ponytail.commands`
+(deployments adds `serve`), so the library never imports them."""
 
 from __future__ import annotations
 
 import argparse
 import copy
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -19,7 +21,8 @@ from .config import GPU_BATCHED_TOKENS, GPU_PREFILL_ONLY_BATCHED_TOKENS, token_b
 from .models.hub import check_hub_model, is_hub_id
 from .models.loader import default_checkpoint
 from .utils.units import parse_bytes
-from .serve_command import add_serve_parser
+
+COMMANDS_GROUP = "ponytail.commands"  # entry points: functions that add a subcommand to the parser
 
 # --flag -> estimate_kv_cache argument, for the shape flags --model can stand in for.
 _SHAPE_FLAGS = {
@@ -95,7 +98,8 @@ def _build_parser() -> argparse.ArgumentParser:
                              "is left to its default, else the same: LLM()'s on CUDA)")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.set_defaults(run=_run_estimate)
-    add_serve_parser(commands)
+    for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):  # `serve`, from deployments
+        entry.load()(commands)
     add_bench_parser(commands)
     return parser
 

@@ -32,10 +32,14 @@ CPU_BATCHED_TOKENS = 128
 # per step either way): vLLM's online default for this class of device.
 GPU_BATCHED_TOKENS = 8192
 GPU_PREFILL_ONLY_BATCHED_TOKENS = 16384  # steps without decode rows on a GPU: vLLM's LLM-class budget
-# A GPU step costs about the same for 64 or 256 decode rows (the weights are read once either way);
-# a CPU step's time grows with its rows.
 GPU_MAX_NUM_SEQS = 256
 CPU_MAX_NUM_SEQS = 64
+
+
+def default_max_num_seqs(device_type: str) -> int:
+    """max_num_seqs when unset: a GPU step costs about the same for 64 or 256 decode rows, a CPU step's
+    time grows with its rows."""
+    return GPU_MAX_NUM_SEQS if device_type == "cuda" else CPU_MAX_NUM_SEQS
 
 
 def _flag(config: Any, name: str) -> None:
@@ -189,12 +193,12 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size != 1:
             raise ConfigError(f"tensor_parallel_size={self.tensor_parallel_size!r} is not supported; allowed: 1 (an "
-                              "engine runs on one device; serve across GPUs with one replica each: deployments/app.yaml)")
+                              "engine runs on one device; serve across GPUs with one replica each)")
 
 
 @dataclass(slots=True)
 class TuningConfig:
-    """Settings whose defaults are measured (docs/engine.md says how); users never need them."""
+    """Settings whose defaults are measured (docs/benchmarks.md says on what); users never need them."""
 
     prefill_only_batched_tokens: int | None = None
     """tokens a step of prompt chunks only may hold; None: 16,384 on CUDA where max_num_batched_tokens is left
@@ -271,7 +275,7 @@ class EngineConfig:
         if runner.cuda_graphs and not cuda:
             raise ConfigError(f"cuda_graphs=True needs a CUDA device; the model is on {device_type}")
         eager = runner.enforce_eager
-        seqs = self.scheduler.max_num_seqs or (GPU_MAX_NUM_SEQS if cuda else CPU_MAX_NUM_SEQS)
+        seqs = self.scheduler.max_num_seqs or default_max_num_seqs(device_type)
         step, prefill_only = token_budgets(device_type, seqs, self.scheduler.max_num_batched_tokens,
                                            tuning.prefill_only_batched_tokens)
         graphs = _default(runner.cuda_graphs, cuda and not eager)

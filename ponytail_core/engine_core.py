@@ -2,8 +2,8 @@
 ponytail.ProcessAsyncLLM.
 
 A server's process streams every request's deltas (Ray messages, HTTP chunks); with the engine's
-step loop in a thread there, both share one GIL and each slows the other: on an H200 the 135M
-model's steps ran at about half their speed behind 256 streams. Here the loop owns a process, so a
+step loop in a thread there, both share one GIL and each slows the other: a small model's steps
+run at about half their speed behind a few hundred streams. Here the loop owns a process, so a
 GIL, of its own. The parent sends requests and aborts down one pipe; between steps the loop admits
 them, and after each step it sends up the other pipe one message for all requests: their new
 tokens and text (the whole output only where the parent needs more than that), the engine's

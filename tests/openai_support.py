@@ -5,7 +5,7 @@ from contextlib import contextmanager
 
 import openai
 
-from deployments.local_server import local_server
+from deployments.app.local_server import local_server
 
 
 @contextmanager

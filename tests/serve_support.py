@@ -7,8 +7,9 @@ import openai
 import ray
 from ray import serve
 
-from deployments.app import build
-from deployments.reports import replica_reports
+from deployments.app.builder import build
+from deployments.app.reports import replica_reports
+from ponytail.config import field_owners
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -19,15 +20,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def app_args(**args) -> dict:
+    """The app's args on CPU engines (256 MiB of KV cache, 8 sequences of 2,048 tokens), with `args`
+    over them: LLM's argument names go into `engine`, the others are the app's."""
+    engine = {"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,
+              **args.pop("engine", {})}
+    for name in [name for name in args if name in field_owners() or name == "tuning"]:
+        engine[name] = args.pop(name)
+    return {**args, "engine": engine}
+
+
 @contextmanager
 def running_app(**args):
-    """Ray + Serve + the ponytail app on CPU engines; yields (openai client, port)."""
+    """Ray + Serve + the ponytail app on CPU engines (app_args); yields (openai client, port)."""
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
     port = free_port()  # after Ray's own processes took their ports
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build({"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,
-                         **args}), name="ponytail", route_prefix="/")
+        serve.run(build(app_args(**args)), name="ponytail", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120,
                             max_retries=0), port
     finally:

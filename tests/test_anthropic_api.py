@@ -10,11 +10,12 @@ anthropic = pytest.importorskip("anthropic")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from deployments.http_guard import AccessPolicy  # noqa: E402
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
+from deployments.api.http_guard import AccessPolicy  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
 from test_reasoning import THOUGHT, ReasoningBackend  # noqa: E402
 from test_tool_choice_auto import MODEL, ScriptedBackend  # noqa: E402
+from request_fields import sampling_set  # noqa: E402
 
 ASK = [{"role": "user", "content": "Capital of France?"}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -58,7 +59,7 @@ def test_a_message_whole_and_streamed(served):
     assert (message.usage.input_tokens, message.usage.cache_read_input_tokens, message.usage.output_tokens) == (10, 0, 3)
     request = backend.requests[-1]
     assert request.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
-    assert request.sampling["max_tokens"] == 64
+    assert sampling_set(request)["max_tokens"] == 64
 
     events, final = _streamed(client, max_tokens=64, messages=ASK, system=[{"type": "text", "text": "Be brief."}])
     assert events[0] == "message_start" and events[-2:] == ["message_delta", "message_stop"]
@@ -73,7 +74,7 @@ def test_stop_reasons_max_tokens_and_the_stop_sequence_that_matched(served):
     backend.script, backend.stop_reason = ["Paris"], "\n\n"
     message = client.messages.create(model=MODEL, max_tokens=64, messages=ASK, stop_sequences=["\n\n", "END"])
     assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", "\n\n")
-    assert backend.requests[-1].sampling["stop"] == ["\n\n", "END"]
+    assert sampling_set(backend.requests[-1])["stop"] == ["\n\n", "END"]
     assert _streamed(client, max_tokens=64, messages=ASK, stop_sequences=["\n\n"])[1].stop_sequence == "\n\n"
     backend.stop_reason = 7  # a stop token id: not one of the request's sequences
     assert client.messages.create(model=MODEL, max_tokens=64, messages=ASK).stop_reason == "end_turn"
@@ -95,13 +96,13 @@ def test_a_tool_call_comes_back_as_a_tool_use_block_whole_and_streamed(served):
 
     client.messages.create(model=MODEL, max_tokens=64, messages=ASK, tools=[WEATHER],
                            tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True})
-    assert "structured_outputs" in backend.requests[-1].sampling  # a named call is grammar-bound
+    assert "structured_outputs" in sampling_set(backend.requests[-1])  # a named call is grammar-bound
     client.messages.create(model=MODEL, max_tokens=64, messages=ASK, tools=[WEATHER], tool_choice={"type": "any"})
-    assert "structured_outputs" in backend.requests[-1].sampling  # any: OpenAI's required
+    assert "structured_outputs" in sampling_set(backend.requests[-1])  # any: OpenAI's required
     backend.script = ["Fine."]
     message = client.messages.create(model=MODEL, max_tokens=64, messages=ASK, tools=[WEATHER],
                                      tool_choice={"type": "none"})
-    assert message.content[0].text == "Fine." and "structured_outputs" not in backend.requests[-1].sampling
+    assert message.content[0].text == "Fine." and "structured_outputs" not in sampling_set(backend.requests[-1])
 
 
 def test_a_conversation_with_tool_use_and_results_reaches_the_template_as_chat_messages(served):
@@ -171,14 +172,14 @@ def test_sampling_fields_output_config_and_thinking_reach_the_chat_request(serve
                            thinking={"type": "disabled"},
                            extra_body={"temperature": 0.5, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1})
     request = backend.requests[-1]
-    assert {k: request.sampling[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")} == {
+    assert {k: sampling_set(request)[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty")} == {
         "temperature": 0.5, "top_p": 0.9, "top_k": 5, "repetition_penalty": 1.1}
-    assert request.sampling["structured_outputs"]["json"] == WEATHER["input_schema"]
+    assert sampling_set(request)["structured_outputs"]["json"] == WEATHER["input_schema"]
     assert request.chat_template_kwargs == {"enable_thinking": False, "reasoning_effort": "low"}
     client.messages.create(model=MODEL, max_tokens=32, messages=ASK, thinking={"type": "enabled", "budget_tokens": 16},
                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert backend.requests[-1].chat_template_kwargs == {"enable_thinking": False}  # the request's own kwargs win
-    assert "thinking_token_budget" not in backend.requests[-1].sampling  # a model that does not think: no budget
+    assert "thinking_token_budget" not in sampling_set(backend.requests[-1])  # a model that does not think: no budget
 
 
 def test_budget_tokens_bounds_a_reasoning_models_thought():
@@ -193,9 +194,9 @@ def test_budget_tokens_bounds_a_reasoning_models_thought():
             budgeted = backend.requests[-1]
             client.messages.create(model=MODEL, max_tokens=256, messages=ASK, thinking={"type": "adaptive"})
             adaptive = backend.requests[-1]
-    assert budgeted.sampling["thinking_token_budget"] == 128 and budgeted.chat_template_kwargs == {
+    assert sampling_set(budgeted)["thinking_token_budget"] == 128 and budgeted.chat_template_kwargs == {
         "enable_thinking": True}
-    assert "thinking_token_budget" not in adaptive.sampling
+    assert "thinking_token_budget" not in sampling_set(adaptive)
 
 
 def test_a_thought_comes_back_as_a_thinking_block_whole_and_streamed():
@@ -235,7 +236,7 @@ def test_an_engine_failure_mid_stream_is_an_error_event_and_an_api_key_may_come_
 
 @pytest.mark.network  # the default model
 def test_on_the_real_engine_counts_the_prefix_cache_and_count_tokens_matches():
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
     with local_server() as (replica, url):
         with anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=120) as client:

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from deployments.local_server import local_server
+from deployments.app.local_server import local_server
 
 # Per route in the fuzzing phase. The coverage phase's boundary values (empty lists, extreme numbers,
 # wrong types for every field) come on top: about 2,200 requests in all, 2-4 minutes on two cores.
@@ -23,7 +23,7 @@ DRAIN_S = 30.0
 
 
 def test_generated_requests_get_no_server_error_and_leave_no_blocks(tmp_path):
-    with local_server(max_num_seqs=4, max_model_len=96) as (replica, url):
+    with local_server(engine=dict(max_num_seqs=4, max_model_len=96)) as (replica, url):
         run = subprocess.run(
             [sys.executable, "-m", "schemathesis.cli", "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
              "--max-examples", str(EXAMPLES), "--seed", "1", "--request-timeout", "120", "--warnings", "off",

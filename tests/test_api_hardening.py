@@ -13,10 +13,10 @@ try:
 except ImportError:  # pragma: no cover - older openai clients use httpx
     import httpx
 
-from deployments.http_guard import AccessPolicy
-from deployments.limits import RequestLimits
-from deployments.local_server import serve_on_loopback
-from deployments.openai_api import BackendUnavailable, build_app
+from deployments.api.http_guard import AccessPolicy
+from deployments.api.limits import RequestLimits
+from deployments.app.local_server import serve_on_loopback
+from deployments.api import BackendUnavailable, build_app
 from test_openai_api import CHAT, MODEL, FakeBackend, assert_error
 
 KEY = "sk-test-0123456789"

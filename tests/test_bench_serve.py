@@ -1,4 +1,4 @@
-"""benchmarks/bench_serve.py against Ponytail's API served in this process on the CPU (deployments.local_server):
+"""benchmarks/bench_serve.py against Ponytail's API served in this process on the CPU (deployments.app.local_server):
 a handful of streaming chat requests at two concurrencies, --compare on the same server twice."""
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ def bench_serve(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_bench_serve_compares_two_servers_on_the_same_requests(tmp_path):
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
     out = tmp_path / "serve.json"
-    with local_server(max_num_seqs=4) as (_, url):
+    with local_server(engine={"max_num_seqs": 4}) as (_, url):
         result = bench_serve("--compare", f"{url}/v1,{url}/v1", "--small", "--requests", "4", "--concurrency", "2,4",
                              "--json", str(out))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -46,10 +46,10 @@ def test_bench_serve_compares_two_servers_on_the_same_requests(tmp_path):
 
 
 def test_bench_serve_counts_errors_instead_of_stopping(tmp_path):
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
     out = tmp_path / "serve.json"
-    with local_server(max_num_seqs=2) as (_, url):
+    with local_server(engine={"max_num_seqs": 2}) as (_, url):
         result = bench_serve("--url", f"{url}/v1", "--model", "no-such-model", "--small", "--requests", "2",
                              "--concurrency", "2", "--json", str(out))
     assert result.returncode == 1
@@ -93,8 +93,8 @@ def test_side_by_side_builds_each_servers_app_yaml_and_refuses_unknown_args(monk
         "ponytail", {"engine_process": "false", "max_num_seqs": "128"})
     config = side.ponytail_config("/models/x", {"engine_process": "false", "max_num_seqs": "128"})
     args = config["applications"][0]["args"]
-    assert args["model"] == "/models/x" and args["engine_process"] is False and args["max_num_seqs"] == 128
-    assert args["compile_model"] is None  # the rest stays as shipped
+    assert args["model"] == "/models/x" and args["engine_process"] is False and args["engine"]["max_num_seqs"] == 128
+    assert args["engine"]["kv_cache_memory"] is None  # the rest stays as shipped
     with pytest.raises(SystemExit, match=r"unknown app args \['max_num_sequences'\]"):
         side.ponytail_config("/models/x", {"max_num_sequences": "8"})
     with pytest.raises(argparse.ArgumentTypeError, match="vllm runs with its defaults"):

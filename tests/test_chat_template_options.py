@@ -10,9 +10,9 @@ import urllib.request
 import pytest
 
 import ponytail
-from deployments.prompts import chat_token_ids
+from deployments.api.prompts import chat_token_ids
 from ponytail import check_chat_template_options
-from deployments.protocol import GenerateRequest
+from deployments.api.protocol import GenerateRequest
 
 ASK = [{"role": "user", "content": "Capital of France?"}]
 PREFILLED = ASK + [{"role": "assistant", "content": "The capital of France is"}]
@@ -42,8 +42,8 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
 from test_tool_choice_auto import MODEL, ScriptedBackend  # noqa: E402
 
 
@@ -170,7 +170,9 @@ def test_the_apps_defaults_are_read_from_json_and_checked():
     pytest.importorskip("ray.serve")
     from pydantic import ValidationError
 
-    from deployments.app import AppArgs, engine_arguments, router_arguments
+    from deployments.app.args import AppArgs
+
+    from deployments.app.builder import engine_arguments, router_arguments
 
     args = AppArgs(default_chat_template_kwargs='{"enable_thinking": false}')  # as a flag gives it
     assert args.default_chat_template_kwargs == {"enable_thinking": False}
@@ -184,7 +186,7 @@ def test_the_apps_defaults_are_read_from_json_and_checked():
 
 
 def test_the_api_puts_the_defaults_under_the_requests_own_and_reads_thinking_from_both():
-    from deployments.reasoning import QWEN3
+    from deployments.api.reasoning import QWEN3
     from test_reasoning import ReasoningBackend
 
     class Defaults(ReasoningBackend):
@@ -212,13 +214,13 @@ def test_a_replica_and_the_prefix_router_render_with_the_defaults(default_model)
     pytest.importorskip("ray.serve")
     import asyncio
 
-    from deployments.prompts import tokenizer_fingerprint
-    from deployments.replica import EngineReplica
+    from deployments.api.prompts import tokenizer_fingerprint
+    from deployments.app.replica import EngineReplica
     from test_prefix_routing import make_router
     from test_router import FakeClock
 
     defaults = {"enable_thinking": False}
-    replica = EngineReplica(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256,
+    replica = EngineReplica(engine=dict(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256),
                             chat_template=THINKING_TEMPLATE, default_chat_template_kwargs=defaults)
     assert replica.info.chat_template_kwargs == defaults
 

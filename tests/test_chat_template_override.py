@@ -13,11 +13,14 @@ pytest.importorskip("ray.serve")
 import ponytail  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 
-from deployments.app import AppArgs, engine_arguments, router_arguments  # noqa: E402
-from deployments.prompts import chat_token_ids, tokenizer_fingerprint  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.replica import EngineReplica  # noqa: E402
-from deployments.tool_parsers import HERMES, LLAMA3_JSON, served_tool_call_format  # noqa: E402
+from deployments.app.args import AppArgs
+
+from deployments.app.builder import engine_arguments, router_arguments  # noqa: E402
+from deployments.api.prompts import chat_token_ids, tokenizer_fingerprint  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
+from deployments.api.tool_parsers import HERMES, LLAMA3_JSON, served_tool_call_format  # noqa: E402
 
 # A Hermes-style template: the tools in a system turn, calls as <tool_call> blocks.
 HERMES_TEMPLATE = (
@@ -69,16 +72,16 @@ def test_the_parser_setting_decides_the_served_format():
 def test_a_replica_refuses_an_unknown_parser_before_loading():
     with pytest.raises(ponytail.ConfigError, match="tool_call_parser='xml' is not supported; allowed: auto, hermes, "
                                                    "qwen3_coder, llama3_json, mistral, pythonic, glm45, glm47, none"):
-        EngineReplica(device="cpu", tool_call_parser="xml")
+        EngineReplica(engine={"device": "cpu"}, tool_call_parser="xml")
     with pytest.raises(ponytail.ConfigError, match="reasoning_parser='o1' is not supported; allowed: auto, "
                                                    "deepseek_r1, qwen3, none"):
-        EngineReplica(device="cpu", reasoning_parser="o1")
+        EngineReplica(engine={"device": "cpu"}, reasoning_parser="o1")
     with pytest.raises(ponytail.ConfigError, match=r"chat_template_kwargs=\['messages'\] sets what the server"):
-        EngineReplica(device="cpu", default_chat_template_kwargs={"messages": []})
+        EngineReplica(engine={"device": "cpu"}, default_chat_template_kwargs={"messages": []})
 
 
 def _replica(**kwargs) -> EngineReplica:
-    return EngineReplica(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256, **kwargs)
+    return EngineReplica(engine=dict(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=256), **kwargs)
 
 
 @pytest.mark.network  # the default model
@@ -88,7 +91,7 @@ def test_a_replica_serves_the_operators_template_and_reads_its_format(default_mo
     assert replica.info.tool_call_format == HERMES  # found from the served template, not the model's own
     expected = chat_token_ids(replica.tokenizer, MESSAGES)
     assert replica.tokenizer.decode(expected).startswith("<|im_start|>user\nCapital of France?")
-    request = GenerateRequest(messages=MESSAGES, sampling={"max_tokens": 1, "temperature": 0}, request_id="tpl")
+    request = GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=1, temperature=0), request_id="tpl")
 
     async def main():
         return [d async for d in replica.generate(request)]
@@ -118,7 +121,7 @@ def test_the_prefix_router_tokenizes_with_the_served_template(default_model):
 
 
 def test_a_template_for_a_model_without_a_tokenizer_is_refused_by_name():
-    from deployments.prompts import use_chat_template
+    from deployments.api.prompts import use_chat_template
 
     with pytest.raises(ponytail.ConfigError, match="chat_template is set, but the model has no tokenizer to apply it "
                                                    "with; allowed: a model with a tokenizer, or no chat_template"):

@@ -504,7 +504,7 @@ def test_kv_release_after_s_is_checked(small_model):
 
 def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
     pytest.importorskip("ray.serve")
-    from deployments.metrics import ReplicaMetrics
+    from deployments.app.metrics import ReplicaMetrics
 
     llm = make_llm(small_model)
     metrics = ReplicaMetrics("test")
@@ -535,7 +535,7 @@ def test_replica_metrics_take_engine_stats_and_finished_outputs(small_model):
 
 def test_replica_metrics_count_engine_steps_and_busy_seconds(small_model):
     pytest.importorskip("ray.serve")
-    from deployments.metrics import ReplicaMetrics
+    from deployments.app.metrics import ReplicaMetrics
 
     engine = ponytail.AsyncLLM(make_llm(small_model))
     metrics = ReplicaMetrics("test")

@@ -3,18 +3,23 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
 import pytest
 
 pytest.importorskip("ray.serve")
+openai = pytest.importorskip("openai")
+try:
+    import httpx2 as httpx  # the HTTP library openai>=3 depends on
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
 
 import ponytail  # noqa: E402
-from deployments.generation_defaults import model_sampling_defaults  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.replica import EngineReplica  # noqa: E402
+from deployments.api.generation_defaults import model_sampling_defaults  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
 
 RECOMMENDED = {"temperature": 0.3, "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05}
 
@@ -31,7 +36,7 @@ def test_the_sampling_fields_the_file_sets_and_only_those(tmp_path):
 
 
 def test_a_value_sampling_params_refuses_is_left_out_with_a_warning(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="deployments.generation_defaults"):
+    with caplog.at_level(logging.WARNING, logger="deployments.api.generation_defaults"):
         assert model_sampling_defaults(_config_dir(tmp_path, {"temperature": -3, "top_p": 0.9})) == {"top_p": 0.9}
     assert "temperature=-3 is not used as a default (temperature=-3 is invalid" in caplog.text
 
@@ -46,8 +51,8 @@ def test_the_replica_fills_unset_fields_from_the_models_file(default_model, tmp_
         if path.name != "generation_config.json":
             (checkpoint / path.name).symlink_to(path)
     _config_dir(checkpoint, RECOMMENDED)
-    replica = EngineReplica(str(checkpoint), device="cpu", kv_cache_memory="16MiB", max_num_seqs=2, max_model_len=128,
-                            generation_config=generation_config)
+    replica = EngineReplica(str(checkpoint), engine=dict(device="cpu", kv_cache_memory="16MiB", max_num_seqs=2,
+                                                         max_model_len=128), generation_config=generation_config)
     used = []
 
     async def record(prompt, params, request_id, priority=0):
@@ -56,13 +61,11 @@ def test_the_replica_fills_unset_fields_from_the_models_file(default_model, tmp_
         yield
 
     replica.async_llm.generate = record
-
-    async def run(sampling):
-        async for _ in replica.generate(GenerateRequest(prompt=[5, 6, 7], sampling=sampling)):
-            pass
-
-    asyncio.run(run({"max_tokens": 4}))
-    asyncio.run(run({"max_tokens": 4, "temperature": 0.9, "top_k": 5}))
+    expected = RECOMMENDED if generation_config == "auto" else {}
+    assert replica.info.sampling_defaults == expected  # what the API builds every request's SamplingParams over
+    with serve_on_loopback(build_app(replica)) as url:  # the API: no Ray
+        for body in ({"max_tokens": 4}, {"max_tokens": 4, "temperature": 0.9, "top_k": 5}):
+            httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7], **body}, timeout=60)
     unset, set_ = used
     plain = ponytail.SamplingParams()
     if generation_config == "auto":
@@ -71,8 +74,10 @@ def test_the_replica_fills_unset_fields_from_the_models_file(default_model, tmp_
     else:
         assert {name: getattr(unset, name) for name in RECOMMENDED} == {name: getattr(plain, name) for name in RECOMMENDED}
         assert (set_.temperature, set_.top_k, set_.top_p) == (0.9, 5, plain.top_p)
+    # A handle caller builds its SamplingParams over the same defaults
+    assert {name: getattr(replica.info.sampling_params(), name) for name in expected} == expected
 
 
 def test_an_unknown_generation_config_is_refused_before_loading():
-    with pytest.raises(ponytail.ConfigError, match="generation_config='vllm' is not supported; allowed: auto "):
-        EngineReplica(device="cpu", generation_config="vllm")
+    with pytest.raises(ponytail.ConfigError, match="generation_config='vllm' is not supported; allowed: auto, ponytail"):
+        EngineReplica(engine={"device": "cpu"}, generation_config="vllm")

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API (deployments/openai_api.py) over a fake backend, without Ray.
+"""The OpenAI-compatible API (deployments/api/) over a fake backend, without Ray.
 
 The app runs under uvicorn in a background thread on 127.0.0.1; the official `openai` client
 drives the happy paths, plain HTTP (httpx2, the HTTP library the openai client ships with) the
@@ -19,12 +19,15 @@ try:
 except ImportError:  # pragma: no cover - older openai clients use httpx
     import httpx
 
-from deployments.local_server import serve_on_loopback
-from deployments.openai_api import BackendUnavailable, build_app
-from deployments.openai_protocol import (COMPLETION_DEFAULT_MAX_TOKENS,
-                                         ChatCompletionRequest, CompletionRequest, to_generate_request)
-from deployments.protocol import GenerateDelta, ModelInfo
-from ponytail import ConfigError, ContextLengthError, SamplingParams
+from deployments.app.local_server import serve_on_loopback
+from deployments.api import BackendUnavailable, build_app
+from deployments.api.engine_requests import COMPLETION_DEFAULT_MAX_TOKENS, to_draft
+from deployments.api.openai_requests import ChatCompletionRequest, CompletionRequest
+from deployments.api.protocol import GenerateDelta, GenerateRequest, ModelInfo
+import dataclasses
+
+from ponytail import ConfigError, ContextLengthError
+from request_fields import sampling_set
 
 MODEL = "fake-model"
 MAX_MODEL_LEN = 512
@@ -60,7 +63,7 @@ class FakeBackend:
         return self._deltas(request)
 
     async def _deltas(self, request):
-        params = SamplingParams(**request.sampling)
+        params = dataclasses.replace(request.sampling)
         if request.messages is not None:
             prompt_tokens = sum(len(m["content"].split()) + 4 for m in request.messages)
         else:
@@ -147,7 +150,7 @@ def test_completion_stream_matches_non_stream(client, backend):
     assert full.usage.prompt_tokens_details.cached_tokens == 2  # what the replica found in its prefix cache
     assert full.usage.completion_tokens_details is None  # no reasoning split: nothing counted, no 0 made up
     assert backend.requests[0].request_id == full.id and backend.requests[0].prompt == "one two three"
-    assert backend.requests[0].sampling == {"max_tokens": 7, "temperature": 0.0}
+    assert sampling_set(backend.requests[0]) == {"max_tokens": 7, "temperature": 0.0}
 
     chunks = list(client.completions.create(model=MODEL, prompt="one two three", max_tokens=7, temperature=0,
                                             stream=True, stream_options={"include_usage": True}))
@@ -190,7 +193,7 @@ def test_chat_stream_matches_non_stream(client, backend):
     assert full.usage.completion_tokens == 5 and full.usage.total_tokens == full.usage.prompt_tokens + 5
     request = backend.requests[0]
     assert request.messages == messages and request.prompt is None and request.request_id == full.id
-    assert request.sampling == {"max_tokens": 5, "seed": 3, "stop": ["END"], "top_k": 4, "repetition_penalty": 1.1}
+    assert sampling_set(request) == {"max_tokens": 5, "seed": 3, "stop": ["END"], "top_k": 4, "repetition_penalty": 1.1}
 
     stream = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=5, stream=True)
     chunks = list(stream)
@@ -207,24 +210,41 @@ def test_chat_without_max_tokens_runs_to_the_end_of_the_context_and_no_model(htt
     assert r.json()["usage"]["completion_tokens"] == MAX_MODEL_LEN - r.json()["usage"]["prompt_tokens"]
     request = backend.requests[0]
     # the bound (what the router sizes it by); the replica lowers it to what the prompt leaves
-    assert request.sampling == {"max_tokens": MAX_MODEL_LEN, "min_tokens": 100} and request.max_tokens_to_context
+    assert sampling_set(request) == {"max_tokens": MAX_MODEL_LEN, "min_tokens": 100} and request.max_tokens_to_context
     r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
     assert r.json()["usage"]["completion_tokens"] == 3 and not backend.requests[1].max_tokens_to_context
     r = http.post("/v1/completions", json={"prompt": "hi"})
     assert r.json()["usage"]["completion_tokens"] == COMPLETION_DEFAULT_MAX_TOKENS  # OpenAI's 16 for completions
 
 
-def test_to_generate_request_defaults():
-    completion = to_generate_request(CompletionRequest.model_validate({"prompt": [1, 2, 3]}))
-    assert completion.prompt == [1, 2, 3] and completion.sampling == {"max_tokens": COMPLETION_DEFAULT_MAX_TOKENS}
-    assert completion.request_id.startswith("cmpl-")
-    chat = to_generate_request(ChatCompletionRequest.model_validate(
+def test_a_draft_holds_the_fields_the_request_set():
+    completion = to_draft(CompletionRequest.model_validate({"prompt": [1, 2, 3]}))
+    assert completion.request.prompt == [1, 2, 3] and completion.sampling == {"max_tokens": COMPLETION_DEFAULT_MAX_TOKENS}
+    assert completion.request.request_id.startswith("cmpl-")
+    chat = to_draft(ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
          "max_tokens": 9, "max_completion_tokens": 4, "top_p": 0.5}), request_id="chatcmpl-x")
-    assert chat.messages == [{"role": "user", "content": "a\nb"}] and chat.request_id == "chatcmpl-x"
-    assert chat.sampling == {"max_tokens": 4, "top_p": 0.5} and not chat.max_tokens_to_context
-    unset = to_generate_request(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}]}))
-    assert unset.sampling == {} and unset.max_tokens_to_context  # the API adds the bound, the replica the rest
+    assert chat.request.messages == [{"role": "user", "content": "a\nb"}] and chat.request.request_id == "chatcmpl-x"
+    assert chat.sampling == {"max_tokens": 4, "top_p": 0.5} and not chat.request.max_tokens_to_context
+    unset = to_draft(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}]}))
+    assert unset.sampling == {} and unset.request.max_tokens_to_context  # the API adds the bound, the replica the rest
+
+
+def test_sampling_params_are_built_once_over_the_models_defaults():
+    """finish() builds the request's SamplingParams: the model's generation_config values under the
+    fields the request set (vLLM's --generation-config auto); a bad value names its field."""
+    draft = to_draft(ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}],
+                                                           "temperature": 0.9, "max_tokens": 4}))
+    request = draft.finish({"temperature": 0.3, "top_p": 0.8})
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.max_tokens) == (0.9, 0.8, 4)
+    info = ModelInfo(model_id=MODEL, max_model_len=MAX_MODEL_LEN, block_size=16, device="cpu", device_uuid=None,
+                     sampling_defaults={"top_k": 20})
+    assert info.sampling_params(max_tokens=3).top_k == 20  # what a handle caller builds
+    with pytest.raises(ConfigError, match="top_k=-5 is invalid"):
+        to_draft(CompletionRequest.model_validate({"prompt": "a", "top_k": -5})).finish({})
+    with pytest.raises(ConfigError, match=r"sampling=\{'max_tokens': 4\} is not supported; allowed: a "
+                                          r"ponytail.SamplingParams"):
+        GenerateRequest(prompt="a", sampling={"max_tokens": 4})
 
 
 # ------------------------------------------------------------------------------ errors
@@ -394,10 +414,10 @@ def test_client_disconnect_while_waiting_aborts(server, backend):
 
 
 def test_prompt_lists_become_one_engine_request_each():
-    from deployments.openai_protocol import to_generate_requests
+    from deployments.api.engine_requests import to_drafts
 
     def prompts(prompt):
-        return [(g.prompt, g.request_id) for g in to_generate_requests(CompletionRequest.model_validate(
+        return [(d.request.prompt, d.request.request_id) for d in to_drafts(CompletionRequest.model_validate(
             {"prompt": prompt, "max_tokens": 3}), "x")]
 
     assert prompts([[1, 2, 3]]) == [([1, 2, 3], "cmpl-x")]  # lm-eval's batch of one

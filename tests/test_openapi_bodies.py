@@ -7,13 +7,13 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from pydantic import BaseModel
 
-from deployments import anthropic_protocol, openai_protocol, responses_protocol
-from deployments.openai_api import build_app
-from deployments.openapi_bodies import publish_request_models, request_body
+from deployments.api import anthropic_protocol, openai_requests, responses_protocol
+from deployments.api.server import build_app
+from deployments.api.openapi_bodies import publish_request_models, request_body
 
-BODIES = {"/tokenize": openai_protocol.TokenizeRequest, "/detokenize": openai_protocol.DetokenizeRequest,
-          "/v1/completions": openai_protocol.CompletionRequest,
-          "/v1/chat/completions": openai_protocol.ChatCompletionRequest,
+BODIES = {"/tokenize": openai_requests.TokenizeRequest, "/detokenize": openai_requests.DetokenizeRequest,
+          "/v1/completions": openai_requests.CompletionRequest,
+          "/v1/chat/completions": openai_requests.ChatCompletionRequest,
           "/v1/responses": responses_protocol.ResponsesRequest, "/v1/messages": anthropic_protocol.MessagesRequest,
           "/v1/messages/count_tokens": anthropic_protocol.CountTokensRequest}
 

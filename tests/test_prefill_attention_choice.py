@@ -46,12 +46,11 @@ def test_llm_refuses_fa4_on_the_cpu_before_building_its_pool():
 
 
 def test_app_args_take_only_the_kernels_there_are():
-    from deployments.args import AppArgs
+    from deployments.app.args import AppArgs
 
-    assert AppArgs(prefill_attention="fa4").prefill_attention == "fa4"
-    with pytest.raises(ValueError, match="prefill_attention") as caught:
-        AppArgs(prefill_attention="fa3")
-    assert "Input should be 'flash' or 'fa4'" in str(caught.value) and "'fa3'" in str(caught.value)
+    assert AppArgs(engine={"prefill_attention": "fa4"}).engine == {"prefill_attention": "fa4"}
+    with pytest.raises(ValueError, match="prefill_attention='fa3' is not supported; allowed: 'flash', 'fa4'"):
+        AppArgs(engine={"prefill_attention": "fa3"})
 
 
 

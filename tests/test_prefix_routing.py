@@ -16,11 +16,12 @@ from ponytail.kv.block_allocator import BlockAllocator  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 from ray.serve._private.common import RequestMetadata  # noqa: E402
 
-from deployments.prefix_index import PrefixIndex  # noqa: E402
-from deployments.prefix_publisher import LOG_CAPACITY, PrefixPublisher  # noqa: E402
-from deployments.prefix_router import PrefixAffinityRouter  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.router import Placement  # noqa: E402
+from deployments.app.prefix_index import PrefixIndex  # noqa: E402
+from deployments.app.prefix_publisher import LOG_CAPACITY, PrefixPublisher  # noqa: E402
+from deployments.app.prefix_router import PrefixAffinityRouter  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.router import Placement  # noqa: E402
 from test_router import DEPLOYMENT_ID, T0, FakeClock, FakeReplica, request, run  # noqa: E402
 
 BS = 16
@@ -58,7 +59,7 @@ def prefixed(max_tokens=20) -> PendingRequest:
 
 
 def chat(messages, max_tokens=20) -> PendingRequest:
-    return PendingRequest(args=[GenerateRequest(messages=messages, sampling={"max_tokens": max_tokens})], kwargs={},
+    return PendingRequest(args=[GenerateRequest(messages=messages, sampling=SamplingParams(max_tokens=max_tokens))], kwargs={},
                           metadata=RequestMetadata(request_id="c", internal_request_id="c"))
 
 
@@ -196,7 +197,7 @@ def test_cached_blocks_are_not_needed_again_and_pull_the_request(clock):
         router.update_replicas([a, b])
         pr = prefixed()
         report_a = router._replicas[a.replica_id]
-        from deployments.router import read_report
+        from deployments.app.router import read_report
 
         # need 8 - 4 = 4; evicts nothing (no cached-only blocks); affinity 2 * 4 / 8
         assert router._placement(report_a, read_report(a.stats), 40, 120, pr) == Placement(need=4, affinity=1.0)
@@ -227,7 +228,7 @@ def test_a_request_that_would_evict_more_than_it_gains_goes_elsewhere(clock):
 
     async def body():
         router.update_replicas([a, b])
-        from deployments.router import read_report
+        from deployments.app.router import read_report
 
         router.index(a).mark_reused(OTHER[:3])
         assert router.index(a).reuse_share == 0.75
@@ -250,7 +251,7 @@ def test_evicting_blocks_no_request_has_hit_costs_nothing(clock):
 
     async def body():
         router.update_replicas([a, b])
-        from deployments.router import read_report
+        from deployments.app.router import read_report
 
         pr = prefixed()
         assert router.index(a).reuse_share == 0.0
@@ -438,7 +439,7 @@ def test_a_truncated_prompt_is_hashed_as_the_replica_runs_it(clock):
     ids = list(range(1000, 1100))
 
     def pending(keep: int, side: str = "left") -> PendingRequest:
-        request = GenerateRequest(prompt=ids, sampling={"max_tokens": 20}, truncate_prompt_tokens=keep,
+        request = GenerateRequest(prompt=ids, sampling=SamplingParams(max_tokens=20), truncate_prompt_tokens=keep,
                                   truncation_side=side)
         return PendingRequest(args=[request], kwargs={},
                               metadata=RequestMetadata(request_id="t", internal_request_id="t"))

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ReasoningTokens, ThoughtStream, reasoning_format,
+from deployments.api.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ReasoningTokens, ThoughtStream, reasoning_format,
                                    served_reasoning_format, split_reasoning, starts_in_thought, thought_opens)
 
 QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -104,10 +104,11 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
-from deployments.protocol import ModelInfo  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
+from deployments.api.protocol import ModelInfo  # noqa: E402
 from test_tool_choice_auto import MODEL, WEATHER, ScriptedBackend  # noqa: E402
+from request_fields import sampling_set  # noqa: E402
 
 ASK = [{"role": "user", "content": "Capital of France?"}]
 THOUGHT = ["<think>", "\nThe user asks", " for France's capital.", "\n</th", "ink>\n\n", "Paris", "."]
@@ -157,7 +158,7 @@ def test_the_thought_comes_back_as_reasoning_whole_and_streamed(served):
     reasoning, content, chunks = _streamed(client, messages=ASK)
     assert (reasoning, content) == ("The user asks for France's capital.", "Paris.")
     assert chunks[-1].choices[0].finish_reason == "stop"
-    assert backend.requests[-1].sampling["skip_special_tokens"] is False  # tags some tokenizers mark special stay
+    assert sampling_set(backend.requests[-1])["skip_special_tokens"] is False  # tags some tokenizers mark special stay
 
 
 def test_usage_counts_the_thoughts_tokens(served):
@@ -253,10 +254,10 @@ def test_the_replica_reads_where_the_generation_prompt_leaves_the_thought(defaul
 
 @pytest.mark.network  # the default model
 def test_the_replica_counts_the_thoughts_tokens_for_usage():
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
     # R1's template opens the thought; the 135M model never closes it in 6 tokens: all of them count
-    with local_server(chat_template=R1_TEMPLATE, kv_cache_memory="16MiB", max_model_len=256) as (replica, url):
+    with local_server(chat_template=R1_TEMPLATE, engine=dict(kv_cache_memory="16MiB", max_model_len=256)) as (replica, url):
         assert replica.info.reasoning_format == THINK and replica.info.thought_opens == (True, True, True)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
             chat = client.chat.completions.create(model=replica.info.model_id, messages=ASK, max_tokens=6,
@@ -300,5 +301,5 @@ def test_a_model_without_a_reasoning_format_keeps_the_thought_in_the_content():
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=5.0) as client:
             message = client.chat.completions.create(model=MODEL, messages=ASK).choices[0].message
     assert message.content == "".join(THOUGHT) and getattr(message, "reasoning", None) is None
-    assert "skip_special_tokens" not in backend.requests[-1].sampling
+    assert "skip_special_tokens" not in sampling_set(backend.requests[-1])
     assert not backend.requests[-1].count_reasoning  # nothing split, nothing counted

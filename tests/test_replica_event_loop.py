@@ -2,6 +2,7 @@
 it is tokenized in a worker thread, and one certainly over the context is refused before that."""
 
 import asyncio
+import dataclasses
 import re
 import time
 
@@ -10,8 +11,9 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import ponytail  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.replica import EngineReplica  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 
@@ -45,17 +47,17 @@ async def run_with_ticker(replica, request):
 
 
 def test_a_5mb_prompt_is_tokenized_off_the_event_loop_or_refused_before(default_model):
-    replica = EngineReplica(device="cpu", kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=2048)
+    replica = EngineReplica(engine=dict(device="cpu", kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=2048))
 
     async def main():
-        bound = replica.max_token_bytes
-        replica.max_token_bytes = None  # tokenize it all, to see the loop while that runs
-        tokenized = await run_with_ticker(replica, GenerateRequest(prompt=HUGE, sampling={"max_tokens": 4},
+        bound = replica.bounds
+        replica.bounds = dataclasses.replace(bound, max_token_bytes=None)  # tokenize it all, to see the loop while that runs
+        tokenized = await run_with_ticker(replica, GenerateRequest(prompt=HUGE, sampling=SamplingParams(max_tokens=4),
                                                                    request_id="huge-1"))
-        replica.max_token_bytes = bound
+        replica.bounds = bound
         refused = await run_with_ticker(replica, GenerateRequest(
-            messages=[{"role": "user", "content": HUGE}], sampling={"max_tokens": 4}, request_id="huge-2"))
-        ok = [d async for d in replica.generate(GenerateRequest(prompt="Hello", sampling={"max_tokens": 2},
+            messages=[{"role": "user", "content": HUGE}], sampling=SamplingParams(max_tokens=4), request_id="huge-2"))
+        ok = [d async for d in replica.generate(GenerateRequest(prompt="Hello", sampling=SamplingParams(max_tokens=2),
                                                                  request_id="small"))]
         return tokenized, refused, ok
 
@@ -65,9 +67,9 @@ def test_a_5mb_prompt_is_tokenized_off_the_event_loop_or_refused_before(default_
     assert error.too_many_tokens == "prompt"
     # The loop kept ticking through seconds of tokenizing: its longest pause is a small share of it.
     assert longest_pause < took / 10, (longest_pause, took)
-    least = len(HUGE.encode()) // replica.max_token_bytes
+    least = len(HUGE.encode()) // replica.bounds.max_token_bytes
     assert str(refusal) == (f"prompt has at least {least} tokens ({len(HUGE)} bytes of text, at most "
-                            f"{replica.max_token_bytes} per token); allowed: at most 2048 (max_model_len=2048)")
+                            f"{replica.bounds.max_token_bytes} per token); allowed: at most 2048 (max_model_len=2048)")
     assert refused_in < took / 10, (refused_in, took)
     assert ok[-1].finished and ok[-1].completion_tokens == 2
     assert replica.llm.stats().used_blocks == 0

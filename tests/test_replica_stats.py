@@ -13,7 +13,7 @@ from ponytail import SamplingParams
 pytest.importorskip("ray.serve")
 import ray  # noqa: E402
 
-from deployments.replica import EngineReplica  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
 
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * 4  # layers * (K, V) * kv_heads * head_dim * float32 * 4 tokens
 
@@ -25,8 +25,8 @@ def replica():
                          num_key_value_heads=2, vocab_size=1000, max_position_embeddings=128)
     model = LlamaForCausalLM(config).eval()
     # 64 blocks of 4 tokens (a 1-block chunk each); two requests run at once.
-    return EngineReplica(model, device="cpu", kv_cache_memory=64 * BLOCK_BYTES, max_num_seqs=2, max_model_len=64,
-                         block_size=4, model_id="random-llama")
+    return EngineReplica(model, engine=dict(device="cpu", kv_cache_memory=64 * BLOCK_BYTES, max_num_seqs=2,
+                                            max_model_len=64, block_size=4), served_model_name="random-llama")
 
 
 def walked(replica) -> tuple[int, int]:
@@ -102,6 +102,11 @@ def test_model_info_comes_from_public_llm_properties(replica):
     assert (info.model_id, info.max_model_len, info.block_size, info.device, info.device_uuid) == (
         "random-llama", 64, 4, "cpu", None)
     assert (replica.llm.max_model_len, replica.llm.block_size, str(replica.llm.device)) == (64, 4, "cpu")
+
+
+def test_a_replicas_engine_keeps_its_conversations_prefixes_unless_told_otherwise(replica):
+    """The serving default (SERVING_ENGINE_DEFAULTS) under the replica's own engine arguments."""
+    assert replica.llm.config.cache.keep_prefix_cache is True and replica.llm.engine.cache.keep_prefixes
 
 
 def test_the_report_splits_time_to_first_token_into_waiting_and_the_first_steps(replica):

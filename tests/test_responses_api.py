@@ -9,12 +9,13 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
-from deployments.protocol import GenerateDelta  # noqa: E402
-from deployments.reasoning import QWEN3  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
+from deployments.api.protocol import GenerateDelta  # noqa: E402
+from deployments.api.reasoning import QWEN3  # noqa: E402
 from test_reasoning import THOUGHT, ReasoningBackend  # noqa: E402
 from test_tool_choice_auto import MODEL  # noqa: E402
+from request_fields import sampling_set  # noqa: E402
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
@@ -61,7 +62,7 @@ def test_a_string_input_with_instructions_answers_with_reasoning_and_a_message(s
     request = backend.requests[-1]
     assert request.messages == [{"role": "system", "content": "Be brief."},
                                 {"role": "user", "content": "Capital of France?"}]
-    assert request.sampling["max_tokens"] == 20 and request.sampling["temperature"] == 0.5
+    assert sampling_set(request)["max_tokens"] == 20 and sampling_set(request)["temperature"] == 0.5
 
 
 def test_the_stream_is_the_responses_event_sequence_and_ends_as_the_whole_answer(served):
@@ -97,7 +98,7 @@ def test_function_tools_run_as_chat_tools_and_calls_come_back_as_items(served):
     assert len(done) == 1 and json.loads(done[0].arguments) == {"city": "Paris"}
     client.responses.create(model=MODEL, input="Weather?", tools=[WEATHER],
                             tool_choice={"type": "function", "name": "get_weather"})
-    assert "structured_outputs" in backend.requests[-1].sampling  # a forced call: its arguments' schema binds
+    assert "structured_outputs" in sampling_set(backend.requests[-1])  # a forced call: its arguments' schema binds
 
 
 def test_a_conversation_of_items_becomes_the_chat_it_records(served):
@@ -130,7 +131,7 @@ def test_text_format_json_schema_binds_the_answer(served):
     response = client.responses.create(model=MODEL, input="City?", text={"format": {
         "type": "json_schema", "name": "city", "schema": schema, "strict": True}})
     assert json.loads(response.output_text) == {"city": "Paris"}  # grammar-bound: not split as thought
-    assert backend.requests[-1].sampling["structured_outputs"] == {"json": schema}
+    assert sampling_set(backend.requests[-1])["structured_outputs"] == {"json": schema}
     assert response.text.format.type == "json_schema"
 
 

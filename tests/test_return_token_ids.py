@@ -82,18 +82,18 @@ def test_a_format_that_holds_text_back_still_streams_every_token_id(served):
 def test_ids_of_text_held_back_go_out_on_an_empty_chunk_of_their_own():
     """Where a format holds a delta's text back (a partial tag, a tool call still being parsed) and
     makes no chunk for it, its token ids still go out, on a chunk with an empty delta."""
-    from deployments.openai_api import _ChatFormat, _CompletionFormat, _with_token_ids
-    from deployments.protocol import GenerateDelta
+    from deployments.api.formats import ChatFormat, CompletionFormat, with_token_ids
+    from deployments.api.protocol import GenerateDelta
 
     delta = GenerateDelta(request_id="r", text="<thi", token_ids=[7, 8], finished=False, finish_reason=None,
                           prompt_tokens=3, completion_tokens=2, index=1, prompt_token_ids=[1, 2, 3])
-    chat = _ChatFormat("r", MODEL)
-    [chunk] = _with_token_ids(chat, [], 1, delta)
+    chat = ChatFormat("r", MODEL)
+    [chunk] = with_token_ids(chat, [], 1, delta)
     assert chunk.choices[0].index == 1 and chunk.choices[0].token_ids == [7, 8]
     assert chunk.choices[0].delta.content is None and chunk.choices[0].finish_reason is None
-    completion = _CompletionFormat("r", MODEL)
-    [chunk] = _with_token_ids(completion, [], 1, delta)
+    completion = CompletionFormat("r", MODEL)
+    [chunk] = with_token_ids(completion, [], 1, delta)
     assert (chunk.choices[0].text, chunk.choices[0].token_ids, chunk.choices[0].prompt_token_ids) == ("", [7, 8],
                                                                                                       [1, 2, 3])
     made = completion.text(1, "ab")
-    assert _with_token_ids(completion, made, 1, delta) == made and made[0].choices[0].token_ids == [7, 8]
+    assert with_token_ids(completion, made, 1, delta) == made and made[0].choices[0].token_ids == [7, 8]

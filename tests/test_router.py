@@ -18,8 +18,9 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Requ
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 from ray.serve.request_router import PendingRequest, ReplicaID, RunningReplica  # noqa: E402
 
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.router import KVBlockRouter, blocks_needed, request_tokens  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.router import KVBlockRouter, blocks_needed, request_tokens  # noqa: E402
 
 DEPLOYMENT_ID = DeploymentID(name="EngineReplica", app_name="ponytail")
 MAX_ONGOING = 8
@@ -118,7 +119,7 @@ def run(router: KVBlockRouter, body) -> None:
 
 def request(prompt_tokens: int = 100, max_tokens: int | None = 20, request_id: str | None = None) -> PendingRequest:
     """A pending generate call (create inside a running loop: PendingRequest makes a Future)."""
-    sampling = {} if max_tokens is None else {"max_tokens": max_tokens}
+    sampling = SamplingParams() if max_tokens is None else SamplingParams(max_tokens=max_tokens)
     internal_id = request_id or f"req-{next(_ids)}"
     return PendingRequest(args=[GenerateRequest(prompt=list(range(prompt_tokens)), sampling=sampling)],
                           kwargs={}, metadata=RequestMetadata(request_id=internal_id, internal_request_id=internal_id,
@@ -142,12 +143,10 @@ def test_request_size_in_blocks():
         assert blocks_needed(128, 16) == 8 and blocks_needed(129, 16) == 9
         assert request_tokens(request(prompt_tokens=100, max_tokens=None)) == 116  # default max_tokens 16
         samples = request(prompt_tokens=100, max_tokens=20)
-        samples.args[0].sampling.update(n=3)
+        samples.args[0].sampling = SamplingParams(max_tokens=20, n=3)
         assert request_tokens(samples) == 100 + 3 * 20  # n samples share the prompt, each has its outputs
-        samples.args[0].sampling.update(best_of=5)
+        samples.args[0].sampling = SamplingParams(max_tokens=20, n=3, best_of=5)
         assert request_tokens(samples) == 100 + 5 * 20
-        samples.args[0].sampling.update(n=True, best_of="5")  # invalid: the replica says so; sized as one
-        assert request_tokens(samples) == 120
         text = PendingRequest(args=[GenerateRequest(prompt="x" * 300)], kwargs={},
                               metadata=RequestMetadata(request_id="t", internal_request_id="t"))
         assert request_tokens(text) == 300 // 3 + 16 + 16
@@ -447,7 +446,7 @@ def test_router_kwargs_are_checked(clock):
 
 
 def test_request_router_config_imports_the_router():
-    config = RequestRouterConfig(request_router_class="deployments.router:KVBlockRouter",
+    config = RequestRouterConfig(request_router_class="deployments.app.router:KVBlockRouter",
                                  request_routing_stats_period_s=0.2, request_routing_stats_timeout_s=0.2,
                                  request_router_kwargs={"stats_max_age_s": 1.0})
     assert config.get_request_router_class().__name__ == "KVBlockRouter"

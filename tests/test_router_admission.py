@@ -16,9 +16,10 @@ pytest.importorskip("ray.serve")
 
 from test_router import T0, FakeClock, FakeReplica, make_router, ranking, request, run  # noqa: E402
 
-from deployments.app import router_arguments  # noqa: E402
-from deployments.args import AppArgs  # noqa: E402
-from deployments.router import KVBlockRouter, request_tokens  # noqa: E402
+from deployments.app.builder import router_arguments  # noqa: E402
+from deployments.app.args import AppArgs  # noqa: E402
+from deployments.app.router import KVBlockRouter, request_tokens  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
 
 
 def reported(replica: FakeReplica, free: int, startable: int, at: float = T0, **kwargs) -> FakeReplica:
@@ -127,7 +128,7 @@ def test_request_tokens_without_output_counts_each_samples_first_token():
     async def body():
         pr = request(100, 60)
         assert (request_tokens(pr), request_tokens(pr, output=False)) == (160, 101)
-        pr.args[0].sampling.update(n=3)
+        pr.args[0].sampling = SamplingParams(max_tokens=60, n=3)
         assert (request_tokens(pr), request_tokens(pr, output=False)) == (280, 103)
         router = make_router(FakeClock(), admission="engine")
         assert router.uncounted_tokens(pr) == 280 - 103

@@ -18,7 +18,7 @@ pytest.importorskip("ray.serve")
 from ray.serve._private.common import RequestMetadata  # noqa: E402
 from ray.serve.request_router import PendingRequest  # noqa: E402
 
-from deployments.router import HOLDS, HeldRequest  # noqa: E402
+from deployments.app.router_accounting import HOLDS, HeldRequest  # noqa: E402
 from test_router import T0, FakeClock, FakeReplica, make_router, ranking, request, run  # noqa: E402
 
 

@@ -10,9 +10,10 @@ import pytest
 pytest.importorskip("ray.serve")
 
 import ponytail  # noqa: E402
-from deployments.prompts import chat_token_ids, tokenizer_fingerprint  # noqa: E402
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.replica import EngineReplica  # noqa: E402
+from deployments.api.prompts import chat_token_ids, tokenizer_fingerprint  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
 from test_prefix_routing import BS, chat, make_router, prefixed  # noqa: E402
 from test_router import FakeClock  # noqa: E402
 
@@ -60,11 +61,11 @@ def test_fingerprints_tell_tokenizers_apart(tokenizer):
 
 @pytest.mark.parametrize("same_tokenizer", [True, False])
 def test_a_replica_runs_the_routers_ids_only_from_its_own_tokenizer(default_model, tokenizer, same_tokenizer):
-    replica = EngineReplica(device="cpu", kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=512)
+    replica = EngineReplica(engine=dict(device="cpu", kv_cache_memory="64MiB", max_num_seqs=4, max_model_len=512))
     own = chat_token_ids(tokenizer, MESSAGES)
     given = own[:-6]  # other ids than the messages': the ones that ran tell which source was used
     fingerprint = tokenizer_fingerprint(tokenizer) if same_tokenizer else "0" * 64
-    request = GenerateRequest(messages=MESSAGES, sampling={"max_tokens": 2, "temperature": 0},
+    request = GenerateRequest(messages=MESSAGES, sampling=SamplingParams(max_tokens=2, temperature=0),
                               request_id=f"tok-{same_tokenizer}", tokenized=(fingerprint, given))
 
     async def main():

@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken
 
-from deployments.prompts import chat_token_ids
-from deployments.segment_tokens import SegmentCache
+from deployments.api.prompts import chat_token_ids
+from deployments.api.segment_tokens import SegmentCache
 
 pytestmark = pytest.mark.network  # the default model's tokenizer
 

@@ -19,7 +19,7 @@ from ray import serve  # noqa: E402
 from serve_support import running_app  # noqa: E402
 from test_serve_routing import BLOCK, send, taken, tokens, wait_for_reports  # noqa: E402
 
-from deployments.reports import replica_reports  # noqa: E402
+from deployments.app.reports import replica_reports  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 

@@ -18,7 +18,8 @@ openai = pytest.importorskip("openai")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from deployments.protocol import GenerateRequest  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
 from serve_support import MODEL, replica_stats, running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
@@ -70,7 +71,7 @@ def test_a_serve_handle_yields_the_same_deltas_as_http(app):
     client, _ = app
     http = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0)
     handle = serve.get_app_handle("ponytail")
-    request = GenerateRequest(prompt="1, 2, 3,", sampling={"max_tokens": 8, "temperature": 0})
+    request = GenerateRequest(prompt="1, 2, 3,", sampling=SamplingParams(max_tokens=8, temperature=0))
     deltas = list(handle.options(stream=True).generate.remote(request))
     assert deltas[-1].finished and deltas[-1].finish_reason == http.choices[0].finish_reason
     assert "".join(d.text for d in deltas) == http.choices[0].text

@@ -1,6 +1,8 @@
 """`ponytail serve` and the app's typed arguments: --help, bad flags, the README example through the
 real command, `serve run deployments.app:build key=value`, a hub id from a local hub cache. Loopback only."""
 
+import dataclasses
+import json
 import os
 import re
 import signal
@@ -14,9 +16,10 @@ import pytest
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from deployments.args import AppArgs  # noqa: E402
+from deployments.app.args import AppArgs  # noqa: E402
 from hub_cache import HUB_ID, REVISION, build_hub_cache, offline_env  # noqa: E402
 from ponytail.cli import main  # noqa: E402
+from ponytail.config import engine_fields  # noqa: E402
 from serve_support import MODEL, free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,29 +39,31 @@ def test_help_lists_every_knob_with_its_default(capsys):
     text = " ".join(out.split())  # argparse wraps lines
     for flag in ("--host", "--port", "--address", "--replicas", "MODEL"):
         assert flag in text
-    for name, field in AppArgs.model_fields.items():
-        if name == "model":
-            continue
+    defaults = {name: field.default for name, field in AppArgs.model_fields.items() if name not in ("model", "engine")}
+    defaults.update({field.name: None if field.default is dataclasses.MISSING else field.default
+                     for section, field, _ in engine_fields() if section != "tuning"})  # the engine's, flat
+    for name, default in defaults.items():
         flag = "--" + name.replace("_", "-")
-        entry = re.search(rf"^  {flag}[ ,](.*?)(?=^  -|\Z)", out, re.MULTILINE | re.DOTALL)
+        entry = re.search(rf"^  {flag}[ ,](.*?)(?=^  -|^\S|\Z)", out, re.MULTILINE | re.DOTALL)
         assert entry is not None, f"{flag} is missing from --help"
-        shown = "unset" if field.default is None else str(field.default).lower() \
-            if isinstance(field.default, bool) else str(field.default)
+        shown = "unset" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
         assert f"(default: {shown})" in " ".join(entry.group(1).split()), flag
-    assert "--compile-model, --no-compile-model" in out
+    assert "--compile-model, --no-compile-model" in out and "--tuning JSON" in out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--max-replicas", "two"], "--max-replicas='two': Input should be a valid integer"),
-    (["--device", "tpu"], "--device: device='tpu' is not supported; allowed: auto, cuda, cpu"),
+    (["--device", "tpu"], "--device: device='tpu' is not supported; allowed: auto, cuda, cuda:N, cpu"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory: kv_cache_memory='lots' is not a byte size"),
     (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs=0 is not supported; allowed: an integer >= 1"),
     (["--min-replicas", "3"], "min_replicas=3, max_replicas=2: need 1 <= min_replicas <= max_replicas"),
     (["--replicas", "2", "--max-replicas", "3"], "--replicas=2 sets --min-replicas and --max-replicas; "
                                                  "allowed: --replicas alone, or --max-replicas without it"),
     (["--stream-interval-s", "5"], "--stream-interval-s: stream_interval_s=5 is not supported"),
-    (["--scheduling-policy", "lottery"], "--scheduling-policy='lottery': Input should be 'fcfs' or 'priority'"),
-    (["--revision", ""], "--revision='': String should have at least 1 character"),
+    (["--scheduling-policy", "lottery"], "--scheduling-policy: scheduling_policy='lottery' is not supported; "
+                                         "allowed: fcfs, priority"),
+    (["--revision", ""], "--revision: revision='' is not supported; allowed: a branch, tag or commit"),
+    (["--tuning", '{"fuse_projections": "yes"}'], "fuse_projections='yes' is not supported; allowed: True, False"),
 ])
 def test_bad_flags_name_the_argument_before_anything_starts(capsys, argv, message):
     code, out, err = run(capsys, "serve", *argv)
@@ -68,15 +73,17 @@ def test_bad_flags_name_the_argument_before_anything_starts(capsys, argv, messag
 
 
 def test_flags_become_typed_app_args():
-    from ponytail.serve_command import app_args
-
-    parser_args = ["serve", "org/model", "--replicas", "3", "--kv-cache-memory", "4GiB", "--compile-model",
-                   "--max-hold-s", "0", "--served-model-name", "mine"]
+    from deployments.cli import app_args
     from ponytail.cli import _build_parser
 
+    parser_args = ["serve", "org/model", "--replicas", "3", "--kv-cache-memory", "4GiB", "--compile-model",
+                   "--max-hold-s", "0", "--served-model-name", "mine", "--max-num-seqs", "32",
+                   "--tuning", '{"prefill_delay_factor": 0}']
     settings = app_args(_build_parser().parse_args(parser_args))
     assert (settings.model, settings.min_replicas, settings.max_replicas) == ("org/model", 3, 3)
-    assert (settings.kv_cache_memory, settings.compile_model, settings.max_hold_s) == ("4GiB", True, 0.0)
+    assert settings.engine == {"kv_cache_memory": "4GiB", "compile_model": True, "max_num_seqs": 32,
+                               "tuning": {"prefill_delay_factor": 0}}
+    assert settings.max_hold_s == 0.0
     assert settings.served_name() == "mine"
     assert app_args(_build_parser().parse_args(["serve"])) == AppArgs()  # unset flags: the model's defaults
     assert AppArgs(model=HUB_ID).served_name() == HUB_ID  # a client loads the tokenizer by this name
@@ -156,9 +163,10 @@ def test_serve_run_key_values_are_typed_and_a_hub_id_serves_from_the_hub_cache(d
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        args = [f"model={HUB_ID}", f"revision={REVISION}", "min_replicas=1", "max_replicas=1", "device=cpu",
-                "kv_cache_memory=256MiB", "max_num_seqs=8", "max_model_len=2048", "compile_model=false",
-                "stream_interval_s=0.02"]
+        engine = {"revision": REVISION, "device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8,
+                  "max_model_len": 2048, "compile_model": False}
+        args = [f"model={HUB_ID}", "min_replicas=1", "max_replicas=1", "stream_interval_s=0.02",
+                f"engine={json.dumps(engine)}"]  # the engine's arguments as one JSON object
         done = subprocess.run([SERVE, "run", "--address", ray.get_runtime_context().gcs_address,
                                "--non-blocking", "--name", "ponytail", "deployments.app:build", *args],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -216,7 +224,7 @@ def test_a_hub_id_not_in_the_cache_says_what_to_do(tmp_path):
 
 def test_without_the_serve_extra_serve_says_what_to_install(capsys, monkeypatch):
     """A base install (no Ray Serve): `ponytail serve` names the extra to install, not a NameError."""
-    monkeypatch.setitem(sys.modules, "deployments.args", None)  # its import raises ImportError
+    monkeypatch.setitem(sys.modules, "deployments.app.args", None)  # its import raises ImportError
     code, out, err = run(capsys, "serve")
     assert code != 0 and "ponytail serve needs Ray Serve: pip install -e '.[serve]'" in out + err
     assert "NameError" not in out + err

@@ -19,8 +19,8 @@ pytest.importorskip("ray.serve")
 pytest.importorskip("openai")
 
 import ponytail  # noqa: E402
-from deployments.prompts import chat_token_ids  # noqa: E402
-from deployments.reports import replica_reports  # noqa: E402
+from deployments.api.prompts import chat_token_ids  # noqa: E402
+from deployments.app.reports import replica_reports  # noqa: E402
 from serve_support import MODEL, running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model

@@ -11,8 +11,8 @@ openai = pytest.importorskip("openai")
 import ray  # noqa: E402
 from ray import serve  # noqa: E402
 
-from deployments.app import build  # noqa: E402
-from serve_support import MODEL, replica_stats, running_app  # noqa: E402
+from deployments.app.builder import build  # noqa: E402
+from serve_support import MODEL, app_args, replica_stats, running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 
@@ -56,8 +56,7 @@ def test_autoscaling_adds_a_replica_under_load_and_removes_it_after(app):
 def test_a_replica_killed_mid_stream_fails_that_stream_and_others_still_succeed(app):
     client = app
     # Two replicas, so the killed one leaves a survivor.
-    serve.run(build({"device": "cpu", "min_replicas": 2, "max_replicas": 2, "kv_cache_memory": "256MiB",
-                     "max_num_seqs": 8, "max_model_len": 2048}), name="ponytail", route_prefix="/")
+    serve.run(build(app_args(min_replicas=2, max_replicas=2)), name="ponytail", route_prefix="/")
     wait_for(lambda: running_engine_replicas() == 2, 90, "two engine replicas")
     stream = client.completions.create(model=MODEL, prompt="Tell me a story.", max_tokens=400, stream=True,
                                        temperature=0.8, extra_body={"ignore_eos": True})

@@ -29,8 +29,9 @@ pytest.importorskip("openai")
 
 from ray import serve  # noqa: E402
 
-from deployments.protocol import GenerateRequest  # noqa: E402
-from deployments.reports import replica_reports  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
+from deployments.app.reports import replica_reports  # noqa: E402
 from serve_support import running_app  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
@@ -54,8 +55,8 @@ def tokens(n, seed):
 
 
 def send(handle, prompt, max_tokens):
-    request = GenerateRequest(prompt=prompt, sampling={"max_tokens": max_tokens, "temperature": 0,
-                                                       "ignore_eos": True})
+    request = GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                       ignore_eos=True))
     return handle.options(stream=True).generate.remote(request)  # routed now; nobody needs to read it
 
 

@@ -9,9 +9,9 @@ pytest.importorskip("uvicorn")
 
 from transformers import AutoTokenizer
 
-from deployments.local_server import local_server
+from deployments.app.local_server import local_server
 from openai_support import served_openai  # noqa: E402
-from deployments.replica import tokenizer_source
+from deployments.app.replica import tokenizer_source
 
 pytestmark = pytest.mark.network  # the default model
 SHORT = "SmolLM2-135M-Instruct"
@@ -47,7 +47,7 @@ def test_both_names_are_served_and_answered_back(served):
 
 def test_a_named_replica_serves_only_that_name(default_model):
     model, tokenizer = default_model
-    with local_server(model_id="mine") as (replica, _):
+    with local_server(served_model_name="mine") as (replica, _):
         assert replica.info.model_id == "mine" and replica.info.aliases == []
         assert replica.info.root == tokenizer_source(tokenizer)
 

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from deployments.openai_api import BackendUnavailable
-from deployments.stream_gate import StreamGate
+from deployments.api.errors import BackendUnavailable
+from deployments.api.stream_gate import StreamGate
 
 
 def deltas_until(release: asyncio.Event, fail: bool = False):

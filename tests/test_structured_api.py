@@ -1,6 +1,6 @@
 """Structured outputs and tool calls through the official openai client, on the CPU.
 
-The real chat path without Ray: build_app over deployments.replica.EngineReplica's generate (chat
+The real chat path without Ray: build_app over deployments.app.replica.EngineReplica's generate (chat
 template, tools) driving an AsyncLLM of the default model, served by uvicorn on 127.0.0.1.
 """
 
@@ -21,16 +21,18 @@ jsonschema = pytest.importorskip("jsonschema")
 from pydantic import BaseModel, Field  # noqa: E402
 
 import ponytail  # noqa: E402
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
-from deployments.openai_protocol import ChatCompletionRequest, to_generate_request  # noqa: E402
-from deployments.prompts import chat_token_ids  # noqa: E402
-from deployments.tool_parsers import HERMES, MISTRAL, tool_call_format  # noqa: E402
-from deployments.tools import plan_structured  # noqa: E402
-from deployments.protocol import ModelInfo  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
+from deployments.api.engine_requests import to_draft  # noqa: E402
+from deployments.api.openai_requests import ChatCompletionRequest  # noqa: E402
+from deployments.api.prompt_bounds import PromptBounds  # noqa: E402
+from deployments.api.prompts import chat_token_ids  # noqa: E402
+from deployments.api.tool_parsers import HERMES, MISTRAL, tool_call_format  # noqa: E402
+from deployments.api.tools import plan_structured  # noqa: E402
+from deployments.api.protocol import ModelInfo  # noqa: E402
 from ponytail import TokenTexts  # noqa: E402
-from deployments.replica import EngineReplica, _max_token_bytes  # noqa: E402
-from deployments.segment_tokens import SegmentCache  # noqa: E402
+from deployments.app.replica import EngineReplica  # noqa: E402
+from deployments.api.segment_tokens import SegmentCache  # noqa: E402
 
 pytestmark = pytest.mark.network  # the default model
 MODEL = "SmolLM2-135M-Instruct"
@@ -78,8 +80,8 @@ class LocalReplica(EngineReplica):
         self.segments = SegmentCache(self.tokenizer)
         self.info = ModelInfo(model_id=MODEL, max_model_len=llm.engine.scheduler.max_model_len,
                               block_size=16, device="cpu", device_uuid=None)
-        self.max_prompt_tokens = self.info.max_model_len
-        self.max_token_bytes = _max_token_bytes(self.tokenizer)
+        self.template_defaults = None
+        self.bounds = PromptBounds.of(self.tokenizer, self.info.max_model_len, None)
 
     def stream(self, request):
         return self.generate(request)
@@ -348,8 +350,9 @@ def test_earlier_calls_render_as_objects_in_a_tool_format_template(hermes_tokeni
             "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"}]
     req = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])
-    generate = to_generate_request(req, "r")
-    plan_structured(req, generate, HERMES)
+    draft = to_draft(req, "r")
+    plan_structured(req, draft, HERMES)
+    generate = draft.request
     text = hermes_tokenizer.decode(chat_token_ids(hermes_tokenizer, generate.messages, generate.tools))
     assert '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}' in text  # not quoted twice
     assert text.count("get_weather") == 2  # in the tool list and in the call
@@ -380,9 +383,10 @@ def test_earlier_calls_with_long_ids_render_in_a_mistral_template(replica):
     req = ChatCompletionRequest(model=MODEL, messages=messages, tools=[WEATHER])
     with pytest.raises(ponytail.ConfigError, match="messages: the chat template refused them: .*length 9"):
         # the client's ids as they came: a 400 naming messages
-        chat_token_ids(tokenizer, to_generate_request(req, "r").messages)
-    generate = to_generate_request(req, "r")
-    plan_structured(req, generate, MISTRAL)
+        chat_token_ids(tokenizer, to_draft(req, "r").request.messages)
+    draft = to_draft(req, "r")
+    plan_structured(req, draft, MISTRAL)
+    generate = draft.request
     text = tokenizer.decode(chat_token_ids(tokenizer, generate.messages, generate.tools))
     call_id = generate.messages[1]["tool_calls"][0]["id"]
     assert len(call_id) == 9 and f'"id": "{call_id}"' in text and f'"call_id": "{call_id}"' in text

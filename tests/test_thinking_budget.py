@@ -116,14 +116,14 @@ def test_through_the_api_the_thought_stops_at_the_budget_and_the_answer_follows(
     template (it opens the thought): reasoning holds the budget's tokens, content the rest."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("uvicorn")
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
     from test_reasoning import R1_TEMPLATE
 
     model, tokenizer, *_ = thinking
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    with local_server(model=str(tmp_path), chat_template=R1_TEMPLATE, kv_cache_memory="16MiB",
-                      max_model_len=256, compile_model=False) as (replica, url):
+    with local_server(model=str(tmp_path), chat_template=R1_TEMPLATE,
+                      engine=dict(kv_cache_memory="16MiB", max_model_len=256, compile_model=False)) as (replica, url):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=60) as client:
             ask = dict(model=replica.info.model_id, messages=[{"role": "user", "content": "Sky?"}], max_tokens=8,
                        temperature=0, extra_body={"ignore_eos": True})

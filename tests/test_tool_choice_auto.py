@@ -13,9 +13,10 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
-from deployments.protocol import GenerateDelta, ModelInfo  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
+from deployments.api.protocol import GenerateDelta, ModelInfo  # noqa: E402
+from request_fields import sampling_set  # noqa: E402
 
 MODEL = "hermes-model"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -82,8 +83,8 @@ def test_auto_returns_the_calls_the_model_wrote_and_its_text(served):
         assert first.id.startswith("call_") and first.id != second.id and first.type == "function"
     request = backend.requests[-1]
     assert [t["function"]["name"] for t in request.tools] == ["get_weather", "get_time"]  # for the template
-    assert "structured_outputs" not in request.sampling  # the model decides: nothing constrains it
-    assert request.sampling["skip_special_tokens"] is False  # tags some tokenizers mark special stay in
+    assert "structured_outputs" not in sampling_set(request)  # the model decides: nothing constrains it
+    assert sampling_set(request)["skip_special_tokens"] is False  # tags some tokenizers mark special stay in
 
 
 def test_a_streamed_auto_answer_matches_the_whole_one(served):

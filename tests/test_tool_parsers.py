@@ -5,7 +5,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deployments.tool_parsers import (GLM45, HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS,
+from deployments.api.tool_parsers import (GLM45, HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS,
                                       HermesCallStream, ParsedCall, call_stream, parse, served_tool_call_format,
                                       tool_call_format)
 
@@ -124,7 +124,7 @@ def test_glm_calls_are_a_name_and_key_value_pairs_in_the_same_blocks():
 
 
 def test_xml_values_take_the_types_the_tools_schema_declares():
-    from deployments.xml_tool_calls import typed_arguments
+    from deployments.api.xml_tool_calls import typed_arguments
 
     schema = {"type": "object", "properties": {
         "n": {"type": "integer"}, "x": {"type": "number"}, "ok": {"type": "boolean"}, "tags": {"type": "array"},

@@ -7,9 +7,12 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from deployments.local_server import serve_on_loopback  # noqa: E402
-from deployments.openai_api import build_app  # noqa: E402
+from deployments.app.local_server import serve_on_loopback  # noqa: E402
+from deployments.api.server import build_app  # noqa: E402
 from test_tool_choice_auto import MODEL, ScriptedBackend  # noqa: E402
+from request_fields import sampling_set  # noqa: E402
+from deployments.api.protocol import GenerateRequest  # noqa: E402
+from ponytail import SamplingParams  # noqa: E402
 
 ASK = [{"role": "user", "content": "Capital of France?"}]
 
@@ -91,11 +94,11 @@ def test_add_special_tokens_reaches_the_replica_on_both_endpoints(scripted):
 def test_thinking_token_budget_reaches_the_engine(scripted):
     backend, client = scripted
     client.chat.completions.create(model=MODEL, messages=ASK, extra_body={"thinking_token_budget": 64})
-    assert backend.requests[-1].sampling["thinking_token_budget"] == 64
+    assert sampling_set(backend.requests[-1])["thinking_token_budget"] == 64
     client.chat.completions.create(model=MODEL, messages=ASK)
-    assert "thinking_token_budget" not in backend.requests[-1].sampling
+    assert "thinking_token_budget" not in sampling_set(backend.requests[-1])
     client.completions.create(model=MODEL, prompt="x", extra_body={"thinking_token_budget": 8})  # vLLM's, here too
-    assert backend.requests[-1].sampling["thinking_token_budget"] == 8
+    assert sampling_set(backend.requests[-1])["thinking_token_budget"] == 8
     with pytest.raises(openai.BadRequestError, match="prompt_embeds is not supported"):
         client.completions.create(model=MODEL, prompt="x", extra_body={"prompt_embeds": "AAAA"})
 
@@ -106,8 +109,7 @@ def test_add_special_tokens_decides_the_prompt_token_ids(default_model):
 
     from tokenizers.processors import TemplateProcessing
 
-    from deployments.prompts import prompt_token_ids
-    from deployments.protocol import GenerateRequest
+    from deployments.api.prompts import prompt_token_ids
 
     tokenizer = copy.deepcopy(default_model[1])
     bos = tokenizer.convert_tokens_to_ids("<|endoftext|>")
@@ -124,24 +126,26 @@ def test_add_special_tokens_decides_the_prompt_token_ids(default_model):
 def test_a_replica_refuses_truncation_it_cannot_do_naming_the_field():
     """Other Ray apps reach the replica without the API's checks."""
     import ponytail
-    from deployments.protocol import ModelInfo
-    from deployments.replica import EngineReplica
+    from deployments.api.prompt_bounds import PromptBounds
 
-    replica = EngineReplica.__new__(EngineReplica)
-    replica.max_prompt_tokens = 100
-    replica.info = ModelInfo(model_id="m", max_model_len=100, block_size=16, device="cpu", device_uuid=None)
-    assert replica._truncated(list(range(50)), 10, 16) == list(range(40, 50))
-    assert replica._truncated(list(range(150)), -1, 16) == list(range(66, 150))  # room for max_tokens
-    assert replica._truncated(list(range(50)), 10, 16, "right") == list(range(10))  # vLLM's truncation_side
+    bounds = PromptBounds(max_prompt_tokens=100, max_model_len=100, max_token_bytes=None)
+
+    def cut(prompt, keep, side="left"):
+        return bounds.truncated(prompt, GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=16),
+                                                        truncate_prompt_tokens=keep, truncation_side=side))
+
+    assert cut(list(range(50)), 10) == list(range(40, 50))
+    assert cut(list(range(150)), -1) == list(range(66, 150))  # room for max_tokens
+    assert cut(list(range(50)), 10, "right") == list(range(10))  # vLLM's truncation_side
     with pytest.raises(ponytail.ConfigError, match="truncation_side='up' is invalid; allowed: left"):
-        replica._truncated(list(range(50)), 10, 16, "up")
+        cut(list(range(50)), 10, "up")
     for bad in (0, -2, True, "5"):
         with pytest.raises(ponytail.ConfigError, match=f"truncate_prompt_tokens={bad!r} is invalid; allowed: a "
                                                        "positive integer"):
-            replica._truncated([1, 2, 3], bad, 16)
+            cut([1, 2, 3], bad)
     with pytest.raises(ponytail.ConfigError, match="truncate_prompt_tokens needs the prompt as token ids, and this "
                                                    "model has no tokenizer"):
-        replica._truncated("some text", 2, 16)
+        cut("some text", 2)
 
 
 @pytest.mark.network  # the default model
@@ -159,7 +163,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens():
         assert head.choices[0].text == client.completions.create(prompt=ids[:5], **args).choices[0].text
         chat = client.chat.completions.create(messages=ASK, extra_body={"truncate_prompt_tokens": 6}, **args)
         assert chat.usage.prompt_tokens == 6
-        too_long = ids * (2 * replica.max_prompt_tokens // len(ids))  # more than the context holds
+        too_long = ids * (2 * replica.bounds.max_prompt_tokens // len(ids))  # more than the context holds
         with pytest.raises(openai.BadRequestError, match="prompt has"):
             client.completions.create(prompt=too_long, **args)
         fitted = client.completions.create(prompt=too_long, extra_body={"truncate_prompt_tokens": -1}, **args)
@@ -218,7 +222,7 @@ DOCUMENTS_TEMPLATE = ("{% for d in documents or [] %}<doc {{ d.title }}>{{ d.tex
 def test_documents_reach_a_template_that_reads_them():
     """vLLM's chat `documents` (RAG templates: Command R, Granite) go to the chat template as
     transformers passes them: the prompt counts the documents' tokens."""
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
     docs = [{"title": "capitals", "text": "The capital of France is Paris."}]
     with local_server(chat_template=DOCUMENTS_TEMPLATE) as (replica, url):
@@ -264,9 +268,9 @@ def test_prompt_logprobs_come_in_vllms_shape_and_agree_with_echo():
 def test_priority_is_served_where_the_server_schedules_by_it():
     """scheduling_policy priority (vLLM's --scheduling-policy): a request's priority is taken; the
     default server refuses one, before any engine (the refusal test above)."""
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
-    with local_server(scheduling_policy="priority") as (replica, url):
+    with local_server(engine={"scheduling_policy": "priority"}) as (replica, url):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
             chat = client.chat.completions.create(model=replica.info.model_id, messages=ASK, max_tokens=2,
                                                   extra_body={"priority": 3})
@@ -301,9 +305,9 @@ def test_return_tokens_as_token_ids_names_logprob_tokens_by_id():
 
 @pytest.mark.network  # the default model
 def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
-    from deployments.local_server import local_server
+    from deployments.app.local_server import local_server
 
-    with local_server(max_model_len=96) as (replica, url):
+    with local_server(engine={"max_model_len": 96}) as (replica, url):
         with openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120) as client:
             model = replica.info.model_id
             chat = client.chat.completions.create(model=model, messages=ASK, extra_body={"ignore_eos": True})
@@ -321,18 +325,14 @@ def test_a_chat_without_max_tokens_runs_to_the_end_of_the_context():
 
     with pytest.raises(ponytail.ContextLengthError, match=r"prompt has 96 tokens, which leaves no room for an "
                                                           r"answer; allowed: at most 95 \(max_model_len=96\)"):
-        replica._to_context(ponytail.SamplingParams(max_tokens=96), 96)
-    assert replica._to_context(ponytail.SamplingParams(max_tokens=96), 90).max_tokens == 6
-    assert replica._to_context(ponytail.SamplingParams(max_tokens=4), 90).max_tokens == 4  # the bound stays
+        replica.bounds.to_context(ponytail.SamplingParams(max_tokens=96), 96, cache_tokens=4096)
+    assert replica.bounds.to_context(ponytail.SamplingParams(max_tokens=96), 90, 4096).max_tokens == 6
+    assert replica.bounds.to_context(ponytail.SamplingParams(max_tokens=4), 90, 4096).max_tokens == 4  # the bound stays
     # A KV cache smaller than the context bounds it too (the engine refuses what it could never hold)
-    import dataclasses
-
-    stats, block = replica.llm.stats(), replica.info.block_size
-    replica.llm.stats = lambda: dataclasses.replace(stats, max_blocks=64 // block)
-    assert replica._to_context(ponytail.SamplingParams(max_tokens=96), 60).max_tokens == 4
+    assert replica.bounds.to_context(ponytail.SamplingParams(max_tokens=96), 60, cache_tokens=64).max_tokens == 4
     with pytest.raises(ponytail.ContextLengthError, match=r"prompt has 64 tokens, which leaves no room for an answer; "
                                                           r"allowed: at most 63 \(the KV cache holds 64 tokens"):
-        replica._to_context(ponytail.SamplingParams(max_tokens=96), 64)
+        replica.bounds.to_context(ponytail.SamplingParams(max_tokens=96), 64, cache_tokens=64)
 
 
 def test_a_replica_refuses_beam_search_with_sampling_it_does_not_take():
@@ -340,11 +340,14 @@ def test_a_replica_refuses_beam_search_with_sampling_it_does_not_take():
     import asyncio
 
     import ponytail
-    from deployments.protocol import GenerateRequest
-    from deployments.replica import EngineReplica
+    from deployments.app.replica import EngineReplica
+
+    from deployments.api.protocol import ModelInfo
 
     replica = EngineReplica.__new__(EngineReplica)
-    request = GenerateRequest(prompt=[1, 2, 3], sampling={"n": 2, "logprobs": 1}, beam_search={"length_penalty": 1.0})
+    replica.info = ModelInfo(model_id="m", max_model_len=100, block_size=16, device="cpu", device_uuid=None)
+    request = GenerateRequest(prompt=[1, 2, 3], sampling=SamplingParams(n=2, logprobs=1),
+                              beam_search={"length_penalty": 1.0})
     with pytest.raises(ponytail.ConfigError, match=r"logprobs=1 cannot be combined with beam_search; allowed with "
                                                    r"it: n, max_tokens, temperature"):
-        asyncio.run(replica._beam_search([1, 2, 3], ponytail.SamplingParams(n=2, logprobs=1), request))
+        asyncio.run(replica._beam_search([1, 2, 3], request, None))

@@ -140,7 +140,7 @@ def test_the_served_revision_reaches_the_tokenizer_the_sampling_defaults_and_the
                                                                                  "top_p": 0.8})})
     script = (
         "import ponytail\n"
-        "from deployments.generation_defaults import model_sampling_defaults\n"
+        "from deployments.api.generation_defaults import model_sampling_defaults\n"
         "from ponytail.models.hub import check_hub_model\n"
         f"print(model_sampling_defaults({HUB_ID!r}), model_sampling_defaults({HUB_ID!r}, 'v2'))\n"
         f"print(len(ponytail.load_tokenizer({HUB_ID!r}, revision='v2')))\n"

@@ -4,12 +4,12 @@ A chunk that starts its sequence (a new prompt without a prefix hit, or a recomp
 preemption) attends only tokens of the same forward pass. Their K/V are in the model's key/value
 tensors already, so reading them back from the blocks would only add a gather. Runs of adjacent
 chunks of one length go to torch SDPA as one dense [rows, heads, length, D] batch made of strided
-views (no copies); on an H200 that is cuDNN's Hopper kernel, 1.9-2.5x faster than flash varlen
+views (no copies); on Hopper that is cuDNN's kernel, faster than flash varlen for such batches
 (docs/benchmarks.md). When the lengths are too varied for a few SDPA calls, one flash varlen call
 takes every chunk instead, still without touching the blocks.
 
-cuDNN builds an execution plan for every new SDPA shape, 45-100 ms on an H200 against ~0.2 ms
-for the call itself (docs/benchmarks.md). A server sees ever new chunk lengths, and paying that
+cuDNN builds an execution plan for every new SDPA shape, tens of milliseconds against a fraction
+of one for the call itself. A server sees ever new chunk lengths, and paying that
 inside a step stalls every request in it; so SDPA takes only runs whose (rows, length) came up
 PLAN_AFTER times before (SdpaShapes, per engine), and flash varlen, which has no plans, the rest.
 """

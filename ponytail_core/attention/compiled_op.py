@@ -3,9 +3,8 @@
 A compiled layer that calls the attention eagerly (behind torch.compiler.disable) breaks its graph
 there, and so does the cache's update() (it tags a tensor): TorchDynamo resumes the rest of the
 layer and of its attention module in frames of their own, each with its cache lookup, guards and
-compiled-graph wrapper. On the H200 a step of the 135M shape made 210 such lookups (7 a layer), and
-they were the bulk of an eager step's 40-65 ms of host time (docs/benchmarks.md, twenty-first
-session). vLLM calls its attention through a custom op (torch.ops.vllm.unified_attention) for the
+compiled-graph wrapper: 7 a layer, which were the bulk of a small model's eager step's host time
+(docs/benchmarks.md). vLLM calls its attention through a custom op (torch.ops.vllm.unified_attention) for the
 same reason; so does a compiled layer here: `ponytail::attention(query, key, value, mask, scale,
 sliding_window)` is an op like any other in the layer's graph, and runs the step cache's attend.
 

@@ -1,10 +1,9 @@
 """FlashAttention-4's CuTe kernels (the `flash-attn-4` package) for the engine's packed prefill chunks.
 
 torch ships FlashAttention-2; vLLM runs FlashAttention-3 on Hopper. FlashAttention-4 brings
-Hopper's wgmma/TMA design as a pip package (CuTe DSL, compiled on first use). On an H200, over
-bench_engine's mixed prompt lengths packed as the engine packs them, it attended 1.22-1.26x as fast
-as torch's flash varlen at head_dim 128 (1.14x with 4:1 GQA) and 0.97x at head_dim 64
-(benchmarks/probe_varlen_attention.py, docs/benchmarks.md). So `prefill_attention=None` ("auto")
+Hopper's wgmma/TMA design as a pip package (CuTe DSL, compiled on first use). Over mixed prompt
+lengths packed as the engine packs them it attends faster than torch's flash varlen at head_dim
+128 and no faster at 64 (docs/benchmarks.md). So `prefill_attention=None` ("auto")
 takes it where it is installed, the device is sm90/sm100 and head_dim is at least AUTO_MIN_HEAD_DIM.
 
 Its kernels compile at their first call (5-10 s for each kind of step). The engine's start-up

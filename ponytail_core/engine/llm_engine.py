@@ -88,9 +88,8 @@ class LLMEngine:
                                   max_num_seqs=config.scheduler.max_num_seqs, max_model_len=self.max_model_len,
                                   max_step_tokens=max(config.scheduler.max_num_batched_tokens,
                                                       config.tuning.prefill_only_batched_tokens))
-        text_config = model.config.get_text_config()
-        self.scheduler = Scheduler(self.cache, config.scheduler, config.tuning, self.max_model_len,
-                                   context_cost=context_cost(text_config) if config.tuning.context_aware_chunks else 0.0,
+        cost = context_cost(model.config.get_text_config()) if config.tuning.context_aware_chunks else 0.0
+        self.scheduler = Scheduler(self.cache, config.scheduler, config.tuning, self.max_model_len, context_cost=cost,
                                    step_overhead=self.runner.step_overhead)
         self.vocab_size = model.config.get_text_config().vocab_size
         eos = getattr(model.generation_config, "eos_token_id", None)

@@ -64,10 +64,10 @@ def share_budget(total: int, share: float, held: int) -> int:
 def default_budget(total: int, held: int, headroom: int, available: int | None = None) -> int:
     """The default KV ceiling on a device of `total` bytes where this process's tensors take `held`
     (the weights): DEFAULT_GPU_SHARE of the device less those, and no more than is `available`
-    (default: all the device less `held`) less one step's activations (`headroom`). vLLM 0.26's
-    reservation works out the same on a device it owns (lease 63, an H100: 63.1 GB, 90% of 85.0 GB
-    less 13.5 GB of weights): the 10% left out holds the CUDA context, libraries' workspaces and the
-    steps' activations, rather than the 90% paying for them a second time."""
+    (default: all the device less `held`) less one step's activations (`headroom`). vLLM's
+    reservation works out the same on a device it owns (docs/benchmarks.md compares them): the 10%
+    left out holds the CUDA context, libraries' workspaces and the steps' activations, rather than
+    the 90% paying for them a second time."""
     available = total - held if available is None else available
     return min(int(total * DEFAULT_GPU_SHARE) - held, available - headroom)
 

@@ -35,7 +35,7 @@ import torch
 from ..kv.config import resolve_device
 from ..utils.dtypes import dtype_name, resolve_dtype
 from ..errors import ConfigError, PonytailError
-from .hub import is_hub_id, load_hub_model
+from .hub import check_hub_model, is_hub_id, load_hub_model
 
 logger = logging.getLogger("ponytail.models")
 
@@ -123,6 +123,17 @@ def model_source_at(name_or_path, revision: str | None):
                           f"{str(name_or_path)!r} is {'the default model' if source is None else 'a local file'}; "
                           "allowed: revision with a hub id (ORG/NAME), or None")
     return source
+
+
+def prefetch_model(name_or_path=None, revision: str | None = None, trust_remote_code: bool = False) -> None:
+    """Make a model's files local before engines load it: the default model converted once, a hub
+    id's config found in the hub cache at `revision` (downloaded unless HF_HUB_OFFLINE=1). A bad
+    name or revision fails here, clearly, rather than in every server replica."""
+    source = model_source_at(name_or_path, revision)
+    if source is None:
+        default_checkpoint()
+    elif isinstance(source, str):
+        check_hub_model(source, revision, trust_remote_code)
 
 
 def cache_dir() -> Path:

@@ -18,13 +18,12 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .compile import can_compile, decoder_layers
-from .gemm_layout import is_column_major
+from .gemm_layout import FUSED_ATTR, is_column_major
 
 logger = logging.getLogger("ponytail.engine")
 
 # (attribute on the layer, member projections in the order the stock forwards call them)
 GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
-FUSED_ATTR = "_ponytail_fused"  # set on fused members (gemm_layout leaves them to their group)
 
 
 class _Pending:

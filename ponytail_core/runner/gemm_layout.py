@@ -2,12 +2,10 @@
 
 F.linear(x, W) computes x @ W.T. Stored as transformers loads it (W [out, in], row-major), W.T is a
 transposed operand; stored column-major (the same logical tensor, strides (1, out)), W.T is a
-plain row-major [in, out] matrix and cuBLAS runs other kernels. On an H200 with a 7B's shapes
-(benchmarks/probe_gemm.py, docs/benchmarks.md, eighteenth session) that layout with cuBLASLt ran a
-forward pass's GEMMs 7% faster at 64 rows (fixed's decode steps), 5% at 128 and 2.7% at 8,192
-(prefill steps); 2% slower at 256 rows. Parameters keep their shapes and names (state_dict
-tensors are strided views), no memory is added once the copy is done, and fused q/k/v and gate/up
-weights keep the layout (fused_projections concatenates along it). Outputs are the same GEMMs
+plain row-major [in, out] matrix and cuBLAS runs other kernels, faster for a 7B's shapes at the
+row counts of decode and prefill steps (docs/benchmarks.md). Parameters keep their shapes and
+names (state_dict tensors are strided views), no memory is added once the copy is done, and fused
+q/k/v and gate/up weights keep the layout (fused_projections concatenates along it). Outputs are the same GEMMs
 summed in another order: equal to rounding, not bitwise.
 """
 
@@ -24,6 +22,9 @@ from .compile import can_compile, decoder_layers
 logger = logging.getLogger("ponytail.engine")
 
 _WRAPPED_ATTR = "_ponytail_cublaslt"
+# Set by fused_projections on the members of a fused group: their layout is the group's, and the
+# passes here leave them to it.
+FUSED_ATTR = "_ponytail_fused"
 
 
 def is_column_major(weight: torch.Tensor) -> bool:
@@ -53,8 +54,6 @@ def column_major_weights(model) -> int:
     """Stores the weights of _projections(model) column-major; returns how many changed. Run it
     before fuse_projections (which keeps its members' layout; members fused already are left to
     their group) and before compiling or capturing graphs (both record the strides)."""
-    from .fused_projections import FUSED_ATTR  # that module imports this one
-
     linears = [m for m in _projections(model, "column_major_weights=True") if FUSED_ATTR not in vars(m)]
     relaid = [m for m in linears if not is_column_major(m.weight) and min(m.weight.shape) > 1]  # a vector: same memory
     for m in relaid:

@@ -4,8 +4,8 @@ once at start-up, so the scheduler holds new prompts no longer than sharing a st
 prefill_delay_factor holds new prompts while requests decode, so that prompts arriving close
 together share one eager step and the decode steps between them replay graphs. What sharing saves
 is each extra eager step's fixed cost over the replay it displaces: the host's dispatch of every
-layer's modules and kernels, which a replay skips (on an H200, 32-35 ms for a 135M and for a
-7B-shaped model alike, with compiled layers: docs/benchmarks.md, twenty-first session). Holding a
+layer's modules and kernels, which a replay skips (tens of milliseconds, about the same for a
+135M and a 7B-shaped model with compiled layers). Holding a
 prompt longer than that saving adds time to its first token that no sharing pays back (the
 ski-rental bound), so the scheduler holds prompts for factor x this overhead at the step's decode
 rows. The last prefill step's whole duration (vLLM v0's rule, the fallback where nothing was

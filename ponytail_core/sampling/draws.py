@@ -6,12 +6,9 @@ looked for among each row's most likely tokens and each row takes one uniform dr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from .sampler import SamplingBatch
+from .batch import SamplingBatch
 
 
 def apply_filters(logits: torch.Tensor, batch: SamplingBatch) -> None:
