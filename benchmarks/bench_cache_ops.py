@@ -66,15 +66,11 @@ def bench_block_copy(name, layers, kv_heads, head_dim, num_pairs, device, iters)
     kernel_ms = median_ms(lambda: cache_ops.copy_blocks(storage, pairs), iters=iters, reps=REPS, device=device)
     single_ms = median_ms(lambda: cache_ops.copy_blocks(storage, pairs), iters=iters, device=device)
     launch_only = {}
-    if device.type == "cuda":  # the launch alone, pairs already on the device, per unroll depth
+    if device.type == "cuda":  # the launch alone, pairs already on the device
         pair_tensor = torch.tensor(pairs, dtype=torch.int64, device=device)
-        for unroll in (4, 8):
-            old = cache_ops._LAUNCH["copy_unroll"]
-            cache_ops._LAUNCH["copy_unroll"] = unroll
-            ms = median_ms(lambda: cache_ops.launch_copy_blocks(storage, pair_tensor), iters=iters,
-                           reps=REPS, device=device)
-            cache_ops._LAUNCH["copy_unroll"] = old
-            launch_only[f"launch_only_u{unroll}_tbps"] = tbps(2 * copied, ms)
+        ms = median_ms(lambda: cache_ops.launch_copy_blocks(storage, pair_tensor), iters=iters, reps=REPS,
+                       device=device)
+        launch_only["launch_only_tbps"] = tbps(2 * copied, ms)
     del cache, storage, before
     base_ms = plain_copy_ms(copied, device, iters)
     return {**row(f"copy_blocks {name}", copied, kernel_ms, base_ms, single_ms), **launch_only}
@@ -156,9 +152,8 @@ def main() -> int:
         print(f"{r['case']:44s} {r['payload_bytes'] / 1e6:8.0f}MB {r['kernel_tbps']:7.2f}TB/s "
               f"{r['torch_copy_tbps']:8.2f}TB/s {r['ratio']:6.2f} {r['single_call_tbps']:7.2f}TB/s")
     for r in results:
-        if "launch_only_u4_tbps" in r:
-            print(f"  {r['case']}: launch alone {r['launch_only_u4_tbps']:.2f} TB/s (unroll 4), "
-                  f"{r['launch_only_u8_tbps']:.2f} TB/s (unroll 8)")
+        if "launch_only_tbps" in r:
+            print(f"  {r['case']}: launch alone {r['launch_only_tbps']:.2f} TB/s")
     print("bandwidth = (bytes read + bytes written) / time; ratio = ponytail / torch copy, both "
           f"timed {REPS} calls back to back; '1 call' = one isolated call, host overhead included")
     if args.json:

@@ -113,8 +113,8 @@ __device__ __forceinline__ int attended_tokens(const int* seq_lens, const int* q
 // LOADS 16-byte K vectors (and as many V vectors) per lane per step; STAGES steps per warp in a
 // shared-memory ring, STAGES - 1 of them in flight while one is computed; ROWVECS 16-byte vectors
 // of a row per lane (2 halves the lanes per row, and so the shuffles per score, for twice the
-// query and accumulator registers; measured slower on an H200, shipped only as a tuning variant).
-// All three are part of the kernel name (..._l4s4v1) so the launch picks them from its _LAUNCH.
+// query and accumulator registers). All three are part of the kernel name (..._l4s3v1), so the
+// launch picks the configuration this file instantiates from attention/decode.py's LAUNCH.
 template <typename T, int HEAD_DIM, int GROUP, int LOADS, int ROWVECS>
 struct DecodeShape {
     static constexpr int EPV = Dtype<T>::kPerVec;                 // elements per 16-byte vector

@@ -7,7 +7,6 @@ import importlib
 import json
 import random
 import re
-import shutil
 import statistics
 import subprocess
 import sys
@@ -66,176 +65,10 @@ def test_bench_attention_small_checks_against_sdpa(tmp_path):
     assert all(r["rel_error"] < 2e-2 for r in results)
 
 
-def test_probe_decode_layout_small_checks_every_layout_against_sdpa(tmp_path):
-    out = tmp_path / "layout.json"
-    run_script("probe_decode_layout.py", "--small", "--json", str(out))
-    results = {r["layout"]: r for r in json.loads(out.read_text())["results"]}
-    assert list(results) == list(benchmark_module("probe_decode_layout").LAYOUTS)
-    assert all(r["rel_error"] < 2e-2 and r["ms_per_call"] > 0 for r in results.values())
-    # --small: 45 tokens a row in blocks of 16; `wide` pads to max_model_len 128.
-    assert {name: r["table_width"] for name, r in results.items()} == {
-        "base": 3, "wide": 8, "layers": 3, "pool": 3, "engine": 3, "engine-wide": 8}
-
-
-def test_probe_gemm_small_checks_every_method_and_sums_a_forward_pass(tmp_path):
-    out = tmp_path / "gemm.json"
-    run_script("probe_gemm.py", "--small", "--json", str(out))
-    data = json.loads(out.read_text())
-    probe = benchmark_module("probe_gemm")
-    assert {(r["method"], r["rows"]) for r in data["results"]} == {
-        (m, rows) for m in probe.DEFAULT_METHODS for rows in (3, 17)}
-    assert all(r["rel_error"] < probe.MAX_REL_ERROR and r["ms"] > 0 for r in data["results"])
-    # --small: 2 layers, so a pass is 2 x (qkv + o + gate_up + down) + the LM head once.
-    projs = [probe.Projection(**p) for p in data["projections"]]
-    assert [(p.name, p.in_features, p.out_features, p.per_step) for p in projs] == [
-        ("qkv", 64, 128, 2), ("o", 64, 64, 2), ("gate_up", 64, 320, 2), ("down", 160, 64, 2), ("lm_head", 64, 300, 1)]
-    for step in data["step_ms"]:
-        mine = {r["projection"]: r["ms"] for r in data["results"]
-                if (r["method"], r["rows"]) == (step["method"], step["rows"])}
-        assert step["ms"] == pytest.approx(2 * (mine["qkv"] + mine["o"] + mine["gate_up"] + mine["down"]) + mine["lm_head"])
-
-
-def test_probe_gemm_methods_compute_the_same_product():
-    probe = benchmark_module("probe_gemm")
-    x, weight = torch.randn(5, 24), torch.randn(40, 24)
-    for method in ("linear", "linear_lt", "transposed", "transposed_lt"):
-        fn, _ = probe.gemm_fn(method, x, weight)
-        torch.testing.assert_close(fn(), x @ weight.t())
-    with pytest.raises(ValueError, match="method 'nope': choose from linear, linear_lt"):
-        probe.gemm_fn("nope", x, weight)
-
-
-def test_probe_bandwidth_counts_a_7b_decode_steps_reads_and_sums_fixed():
-    probe = benchmark_module("probe_bandwidth")
-    shape = probe.Shape()
-    weights = shape.weights()
-    per_step = 32 * sum(weights[n] for n in ("qkv", "o", "gate_up", "down")) + weights["lm_head"]
-    assert per_step == 13_214_154_752  # the 13.2 GB a step the thirty-second session's profile counted
-    assert shape.kv_bytes(1024) == 64 * 1024 * 2 * 32 * 128 * 2
-    reads = shape.step_reads(700)
-    assert len(reads) == 32 * 5 + 1 and reads[1] == ("kv", shape.kv_bytes(700)) and reads[-1][0] == "lm_head"
-    # a step time linear in the context: the fit sums it exactly
-    line = {c: 2.0 + 0.01 * c for c in (513, 1024, 1536)}
-    assert probe.decode_seconds(line, 513, 1536) == pytest.approx(sum(2.0 + 0.01 * c for c in range(513, 1537)) / 1e3)
-    labels = [launch.label for launch in probe.launches(shape)]
-    assert "strided u4 t512 c4" in labels and "chunked u2 t128 x2048" in labels and len(set(labels)) == len(labels)
-
-
-def test_probe_bandwidth_says_it_needs_a_gpu():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a CUDA device; the GPU test runs the probe")
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_bandwidth.py")], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "needs a CUDA device" in result.stderr
-
-
-@pytest.mark.gpu
-def test_probe_bandwidth_kernels_read_every_vector():
-    """Every launch finds markers planted anywhere in a buffer whose length no grid divides evenly."""
-    pytest.importorskip("cupy", reason="the read kernels load through CuPy")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    probe = benchmark_module("probe_bandwidth")
-    kernels = probe.ReadKernels(torch.device("cuda", torch.cuda.current_device()))
-    shape = probe.Shape()
-    buffer = torch.zeros(16 * 100_003, dtype=torch.uint8, device="cuda")
-    kv = torch.zeros(shape.kv_bytes(37), dtype=torch.uint8, device="cuda")  # 37 tokens: no even split either
-    rng = random.Random(1)
-    for launch in probe.launches(shape):
-        for _ in range(4):
-            kernels.check(launch, kv if launch.kind == "heads" else buffer, rng)
-    with pytest.raises(ValueError, match="vectors are not K and V of 2048 row heads"):
-        kernels.read(next(launch for launch in probe.launches(shape) if launch.kind == "heads"), buffer)
-    kernels.read = lambda launch, buffer: None  # a kernel that reads nothing fails the check
-    with pytest.raises(AssertionError, match="strided u2 t256 c1 missed the marker at vector 0 of 100003"):
-        kernels.check(probe.Launch("strided", 2, 256, 1), buffer, rng)
-
-
-def test_probe_decode_layout_engine_rows_are_the_allocators_tables():
-    probe = benchmark_module("probe_decode_layout")
-    shape = probe.Shape(batch=3, heads=4, kv_heads=2, head_dim=8, layers=2, prompt=20, context=45,
-                        max_model_len=128, budget_bytes=1 << 20)
-    layout = probe.build("engine", shape, torch.device("cpu"), torch.bfloat16)
-    blocks = layout.tables.flatten().tolist()
-    assert layout.tables.shape == (3, 3) and len(set(blocks)) == 9  # 45 tokens: 3 blocks a row, none shared
-    assert [layout.cache.seq_len(row) for row in range(3)] == [45] * 3
-    assert layout.tables.tolist() == [layout.cache.block_table(row) for row in range(3)]
-
-
 def test_bench_cache_ops_small_runs(tmp_path):
     out = tmp_path / "cache_ops.json"
     run_script("bench_cache_ops.py", "--small", "--json", str(out))
     assert json.loads(out.read_text())
-
-
-def test_bench_host_overhead_runs():
-    run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20")
-    run_script("bench_host_overhead.py", "--requests", "8", "--prompt-len", "32", "--steps", "20",
-               "--async-scheduling")
-
-
-@pytest.mark.network
-def test_profile_steps_runs_every_request_to_its_length_three_ways(tmp_path):
-    checkpoints = benchmark_module("random_checkpoint")
-    build_checkpoint, export_files = checkpoints.build_checkpoint, checkpoints.export_files
-    export_files(tmp_path / "files")  # the default model's tokenizer and config, no weights
-    model = build_checkpoint(tmp_path / "files", tmp_path / "tiny", shape="tiny")
-    out = tmp_path / "steps.json"
-    run_script("profile_steps.py", "--model", str(model), "--requests", "6", "--concurrency", "3",
-               "--profile-steps", "3", "--json", str(out))
-    report = json.loads(out.read_text())
-    for run in ("step_loop", "async_llm", "profiled"):
-        assert report[run]["tokens"] == report["output_tokens"], run  # EOS ignored: every token of every request
-    assert "tottime" in report["profiled"]["profile"]
-    timeline = report["step_loop"]["timeline"]  # every launch counted once, by kind of step
-    assert sum(t["steps"] for t in timeline.values()) == report["step_loop"]["steps"]
-    assert sum(t["prompt_tokens"] for t in timeline.values()) == report["prompt_tokens"]
-    assert timeline["with prompt tokens"]["steps"] > 0 and timeline["decode, 1-8 rows"]["decode_rows"] > 0
-    assert sum(t["seconds"] for t in timeline.values()) <= report["step_loop"]["seconds"]
-
-
-@pytest.mark.network
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
-                    reason="torch.compile on the CPU needs a C++ compiler (g++ or c++ on PATH)")
-def test_probe_step_host_times_decode_and_mixed_steps_of_compiled_thin_layers(tmp_path):
-    benchmark_module("random_checkpoint").export_files(tmp_path / "files")
-    out = tmp_path / "host.json"
-    run_script("probe_step_host.py", "--model", str(tmp_path / "thin"), "--thin-layers", "2",
-               "--files", str(tmp_path / "files"), "--rows", "2", "--steps", "6", "--json", str(out))
-    report = json.loads(out.read_text())
-    assert report["steps"] == {"decode": 4, "mixed": 2}
-    assert all(ms > 0 for ms in report["median_ms"].values())
-    refused = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_step_host.py"), "--model", "x",
-                              "--rows", "0"], cwd=ROOT, capture_output=True, text=True)
-    assert refused.returncode == 2 and "--rows 0 and --steps 60: at least 1 and 3" in refused.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
-def test_probe_step_syncs_says_it_needs_cuda():
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "probe_step_syncs.py"), "--model", "x"],
-                            cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 2
-    assert "probe_step_syncs.py needs a CUDA device: the host waits it looks for are CUDA stream syncs" in result.stderr
-
-
-def test_probe_step_syncs_names_the_innermost_ponytail_frame():
-    import traceback
-
-    probe = benchmark_module("probe_step_syncs")
-    frames = [traceback.FrameSummary("/x/site-packages/ponytail/engine/llm_engine.py", 229, "step"),
-              traceback.FrameSummary("/repo/ponytail_core/kv/storage.py", 91, "_refresh_views"),
-              traceback.FrameSummary("/x/site-packages/torch/cuda/__init__.py", 10, "synchronize")]
-    assert probe.ponytail_site(frames) == "ponytail/kv/storage.py:91 _refresh_views"
-    assert probe.ponytail_site(frames[2:]) == "outside ponytail"
-
-
-def test_profile_engine_small_accounts_for_the_step(tmp_path):
-    out = tmp_path / "profile.json"
-    run_script("profile_engine.py", "--small", "--json", str(out))
-    report = json.loads(out.read_text())
-    assert report["wall_ms_per_step"] > 0 and report["device_ms_per_step"] > 0
-    assert sum(report["by_kind_ms"].values()) == pytest.approx(report["device_ms_per_step"])
-    assert any("linear" in name or "mm" in name for name in report["kernels"])
 
 
 @pytest.mark.slow
@@ -270,7 +103,6 @@ def test_bench_router_small_chat_compares_three_routers_with_their_prefix_hit_ra
         assert sum(runs[0]["replica_prefix_hits"]) <= sum(runs[0]["replica_prompt_tokens"])
 
 
-
 @pytest.mark.slow
 def test_bench_router_records_how_long_the_ingress_router_held_each_request(tmp_path):
     """Through a running app: every burst brings 4 long prompts where the two pools hold one each,
@@ -294,15 +126,6 @@ def test_chat_sessions_share_system_prompts_and_differ_in_their_turns():
     assert chats[0].system != chats[1].system and len(chats[0].system.split()) == 50 + 3
     assert all(len(c.users) == 3 for c in chats) and len({u for c in chats for u in c.users}) == 15
     assert sessions(shape, seed=0) == chats and sessions(shape, seed=1) != chats
-
-
-@pytest.mark.slow
-def test_probe_pool_release_small_runs_every_policy(tmp_path):
-    out = tmp_path / "pool.json"
-    run_script("probe_pool_release.py", "--small", "--json", str(out))
-    results = json.loads(out.read_text())["results"]
-    assert set(results) == {"release_at_once", "release_after_30s", "never_release"}
-    assert all(r["steps"] > 0 and r["ttft_max"] >= r["ttft_p50"] > 0 for r in results.values())
 
 
 def test_bench_router_workload_puts_exactly_long_per_burst_long_prompts_in_each_burst():
@@ -435,7 +258,7 @@ def test_bench_engine_peer_arguments_are_yaml_scalars():
     parse_peer = benchmark_module("peer_bench").parse_peer
     assert parse_peer("ponytail_compiled") == ("ponytail_compiled", {})
     assert parse_peer("ponytail:max_num_batched_tokens=16384; prefill_delay_factor=0.5;cuda_graphs=false") == (
-        "ponytail", {"max_num_batched_tokens": 16384, "prefill_delay_factor": 0.5, "cuda_graphs": False})
+        "ponytail", {"max_num_batched_tokens": 16384, "cuda_graphs": False, "tuning": {"prefill_delay_factor": 0.5}})
 
 
 def test_a_peers_decode_launch_overrides_hold_while_it_runs_and_not_after():
@@ -533,6 +356,10 @@ def test_bench_router_routers_carry_app_args_checked_against_the_apps_args():
         router_args("prefix:prefill_delay=0")
     with pytest.raises(ValueError, match="got 'kv_cache_memory=1000'"):  # the benchmark sizes the pool itself
         router_args("kv_blocks:kv_cache_memory=1000")
+    # flat on the command line, nested as the app takes them: LLM's under engine, tuning's under its tuning
+    nested = benchmark_module("serve_args").nested
+    assert nested({"router": "prefix", "max_num_seqs": 8, "prefill_delay_factor": 0, "num_gpus": 0.5}) == {
+        "router": "prefix", "num_gpus": 0.5, "engine": {"max_num_seqs": 8, "tuning": {"prefill_delay_factor": 0}}}
 
 
 @pytest.mark.network
@@ -557,28 +384,3 @@ def test_bench_structured_half_constrained_keeps_nine_tenths_of_the_throughput(t
     assert report["ratio"] >= 0.75, report
 
 
-@pytest.mark.network
-def test_probe_grammar_backends_masks_every_valid_token(tmp_path):
-    pytest.importorskip("xgrammar")
-    pytest.importorskip("llguidance")
-    out = tmp_path / "probe.json"
-    run_script("probe_grammar_backends.py", "--json", str(out))  # raises if a mask refuses a valid token
-    report = json.loads(out.read_text())
-    for backend in ("xgrammar", "llguidance"):
-        assert all(report[backend][case]["terminated"] for case in ("nested", "tool_args", "json_object"))
-
-
-def test_count_step_work_adds_up_and_sees_the_shared_prefix_computed_once():
-    """count_step_work.py on the small prefix workload: the prompt tokens computed plus those found
-    cached are the prompts' tokens (no preemption here), and the system prompt is computed once."""
-    import dataclasses
-
-    counting, workloads = benchmark_module("count_step_work"), benchmark_module("peer_workloads")
-    workload = workloads.build("prefix", counting.VOCAB, counting.MAX_LEN, small=True)
-    workload = dataclasses.replace(workload, output_lens=[2] * len(workload.prompts))
-    result = counting.count(counting.tiny_model(), workload, 4096, {})
-    assert result["preemptions"] == 0
-    assert result["prompt_tokens_computed"] + result["cached_prompt_tokens"] == workload.prompt_tokens
-    system = workloads.SYSTEM_PROMPT // workloads.SMALL_SCALE
-    own = sum(len(p) - system for p in workload.prompts)
-    assert result["prompt_tokens_computed"] == system + own  # the others waited a step and found it cached

@@ -7,24 +7,22 @@
 # 1. unpacks .gpu/site.tar.xz; builds the random checkpoints (135M and 7B shapes) from .gpu/smollm2-files
 # 2. installs FlashAttention-4 from /tmp/fa4parts once its parts are there (waits FA4_WAIT_S, then goes on
 #    without it: its tests skip and say so)
-# 3. STEPS (default "syncs suite bench"): probe_step_syncs, the whole `pytest -m gpu` suite, and, once
-#    vLLM's parts are in /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default
-#    ponytail,vllm); also `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS), `gemm`
-#    (probe_gemm at GEMM_ROWS through GEMM_METHODS), `bw` (probe_bandwidth: the card's read bandwidth) and `e2e`
-#    (serve_side_by_side: serve run against vllm serve); SUITE_TESTS narrows the suite. A second run in
-#    the same lease skips what the first built.
+# 3. STEPS (default "suite bench"): the whole `pytest -m gpu` suite, and, once vLLM's parts are in
+#    /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default ponytail,vllm); also
+#    `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS) and `e2e` (serve_side_by_side:
+#    serve run against vllm serve); SUITE_TESTS narrows the suite. A second run on the same machine
+#    skips what the first built.
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
 set -uo pipefail
 RES=/tmp/res; mkdir -p "$RES"; rm -f "$RES"/*.done
 # Every device call copies the working tree in again and drops what it does not carry (__pycache__
-# included), which pulled modules from under pytest's collection in lease 60: the steps run from a
-# copy of their own, made now. /tmp/pkg links into it.
+# included), which can pull modules from under pytest's collection: the steps run from a copy of
+# their own, made now. /tmp/pkg links into it.
 TREE=/tmp/lease-tree; rm -rf "$TREE" && cp -a "$PWD" "$TREE" && cd "$TREE" || exit 1
-STEPS=${STEPS:-"syncs suite bench"}
+STEPS=${STEPS:-"suite bench"}
 BENCH_ARGS=${BENCH_ARGS:-"--workload all --rounds 2"}
 PEERS=${PEERS:-"ponytail,vllm"}
-ATTN_ARGS=${ATTN_ARGS:-"--launch pow2_splits=0 --launch decode_warps=8 --launch decode_stages_g1=4 \
-  --launch decode_loads=8"}
+ATTN_ARGS=${ATTN_ARGS:-"--launch decode_warps=8"}
 export PYTHONUNBUFFERED=1
 log() { echo "$(date +%T) $*" | tee -a "$RES/steps.log"; }
 
@@ -48,9 +46,9 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg && cp -rs "$PWD/ponytail_core" /tmp/pkg/pon
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$RES/gpu.txt" 2>&1
 git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/tree.txt" 2>/dev/null
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
-# A second lease.sh in the same lease (other STEPS) keeps what the first one built.
+# A second lease.sh on the same machine (other STEPS) keeps what the first one built.
 # The tests build their own models: only the benchmarks read the random checkpoints.
-needs_models=0; for step in $STEPS; do case $step in attn|gemm|bw|suite) ;; *) needs_models=1 ;; esac; done
+needs_models=0; for step in $STEPS; do case $step in attn|suite) ;; *) needs_models=1 ;; esac; done
 if [ "$needs_models" = 1 ] && [ ! -f /tmp/ponytail-7b-random/config.json ]; then
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
@@ -71,7 +69,7 @@ else
 fi
 
 VP=/tmp/vsite:/tmp/vsite/nvidia_cutlass_dsl/dsl_packages
-# vLLM from its parts in /tmp/parts (waits VLLM_WAIT_S for them), once per lease.
+# vLLM from its parts in /tmp/parts (waits VLLM_WAIT_S for them), once per machine.
 install_vllm() {
   [ -f "$RES/vllm.installed" ] && return 0
   if ! parts_ready /tmp/parts "${VLLM_WAIT_S:-300}"; then log "vLLM parts not there"; return 1; fi
@@ -83,9 +81,6 @@ install_vllm() {
 
 for step in $STEPS; do
   case $step in
-    syncs)
-      python3 benchmarks/probe_step_syncs.py --model /tmp/ponytail-smollm2-random --json "$RES/syncs.json" \
-        > "$RES/syncs.log" 2>&1 ;;
     suite)
       # shellcheck disable=SC2086
       python3 -m pytest -q -m gpu ${SUITE_TESTS:-tests/} -p no:cacheprovider -rs > "$RES/suite.log" 2>&1
@@ -105,13 +100,6 @@ for step in $STEPS; do
         --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --vllm-workdir "/tmp/vllm-run-$(date +%s)" \
         --json "$RES/peers.json" > "$RES/bench.log" 2>&1
       log "bench: rc $?" ;;
-    gemm)  # the projections' GEMMs at decode's row count: cuBLAS(Lt) against inductor's Triton templates
-      (cd benchmarks && python3 probe_gemm.py --rows "${GEMM_ROWS:-64}" \
-        --methods "${GEMM_METHODS:-linear_lt,transposed_lt,triton}" --json "$RES/gemm.json") > "$RES/gemm.log" 2>&1
-      log "gemm: rc $?" ;;
-    bw)  # the card's read bandwidth at a decode step's read sizes: fixed's roofline
-      (cd benchmarks && python3 probe_bandwidth.py --json "$RES/bw.json") > "$RES/bw.log" 2>&1
-      log "bw: rc $?" ;;
     e2e)  # serve run deployments/app.yaml against vllm serve, the 135M shape, one server at a time
       if ! install_vllm; then log "e2e skipped"; continue; fi
       python3 benchmarks/serve_side_by_side.py --model /tmp/ponytail-smollm2-random --servers ponytail,vllm \
