@@ -81,8 +81,8 @@ class LLM:
             config.runner.prefill_attention, device, shape.dtype, shape.head_dim))
         self.config = config = dataclasses.replace(config, runner=runner)  # every field resolved
         if device.type == "cuda":
-            logger.info("prefill chunks attend through %s", {"fa4": "FlashAttention-4 (flash-attn-4)",
-                                                              "flash": "torch's flash varlen"}[runner.prefill_attention])
+            kernel = {"fa4": "FlashAttention-4 (flash-attn-4)", "flash": "torch's flash varlen"}[runner.prefill_attention]
+            logger.info("prefill chunks attend through %s", kernel)
         cache = PagedKVCache(shape, release_after_s=float(cache_options.kv_release_after_s),
                              device_headroom_bytes=headroom, enable_prefix_caching=cache_options.enable_prefix_caching,
                              keep_prefixes=cache_options.keep_prefix_cache and cache_options.enable_prefix_caching)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.api.reasoning import (DEEPSEEK_R1, QWEN3, THINK, ReasoningTokens, ThoughtStream, reasoning_format,
-                                   served_reasoning_format, split_reasoning, starts_in_thought, thought_opens)
+                                       served_reasoning_format, split_reasoning, starts_in_thought, thought_opens)
 
 QWEN3_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "

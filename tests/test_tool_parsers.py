@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deployments.api.tool_parsers import (GLM45, HERMES, LLAMA3_JSON, MISTRAL, PYTHON_TAG, PYTHONIC, TOOL_CALLS,
-                                      HermesCallStream, ParsedCall, call_stream, parse, served_tool_call_format,
-                                      tool_call_format)
+                                          HermesCallStream, ParsedCall, call_stream, parse, served_tool_call_format,
+                                          tool_call_format)
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 TIME = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'

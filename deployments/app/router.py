@@ -18,8 +18,9 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 from ponytail import DEFAULT_BLOCK_SIZE, is_seconds
 
 from .router_accounting import (Claim, HeldRequest, Ledger, Placement, Report, Reservation, blocks_needed, hold_log,
-                                 output_tokens, read_report, request_tokens)
+                                output_tokens, read_report, request_tokens)
 from .routing_stats import ADMISSIONS
+
 
 class KVBlockRouter(FIFOMixin, RequestRouter):
     """Ranks engine replicas by the KV-cache blocks they have free for this request.
