@@ -10,7 +10,6 @@ per field (the engine's flat beside them). Unknown names are refused, so a typo 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from typing import Any
@@ -23,7 +22,7 @@ from ponytail.config import EngineConfig, default_max_num_seqs
 from deployments.api.http_guard import API_KEY_ENV, AccessPolicy
 from deployments.api.limits import RequestLimits
 
-from .replica_options import ReplicaOptions, on_off_or_auto, served_name
+from .replica_options import ReplicaOptions, from_json, on_off_or_auto, served_name
 from .routing_stats import ADMISSIONS
 
 ROUTERS = {
@@ -90,12 +89,7 @@ class AppArgs(ReplicaOptions):
     def _engine(cls, value: Any) -> Any:
         """A mapping of LLM arguments (a JSON object's text from the command line), checked by the
         engine's own configuration: an unknown name lists the allowed ones."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"engine={value!r:.80} is not JSON ({exc}); allowed: a JSON object of LLM "
-                                 "arguments such as '{\"max_num_seqs\": 64}'") from None
+        value = from_json("engine", value, '{"max_num_seqs": 64}')
         if value is None:
             return {}
         if not isinstance(value, dict):

@@ -82,12 +82,7 @@ class ReplicaOptions(BaseModel):
     @classmethod
     def _template_defaults(cls, value):
         """A JSON object (a flag gives its text); names apply_chat_template sets itself are refused."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as exc:
-                raise ValueError(f"default_chat_template_kwargs={value!r:.80} is not JSON ({exc}); allowed: a JSON "
-                                 "object such as '{\"enable_thinking\": false}'") from None
+        value = from_json("default_chat_template_kwargs", value, '{"enable_thinking": false}')
         if value is not None:
             try:
                 check_chat_template_options(value, True, False)
@@ -140,6 +135,18 @@ def _described(error: dict) -> str:
     if error["type"] == "value_error":  # our own checks name the field, the value and what is allowed
         return error["msg"].removeprefix("Value error, ")
     return f"{name}={error['input']!r:.60}: {error['msg']}"
+
+
+def from_json(name: str, value: Any, example: str) -> Any:
+    """A JSON object's text (a command-line flag's, a `serve run key=value`'s) as the object; any
+    other value as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"{name}={value!r:.80} is not JSON ({exc}); allowed: a JSON object such as "
+                         f"'{example}'") from None
 
 
 def on_off_or_auto(value: object, name: str) -> object:
