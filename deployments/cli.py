@@ -52,7 +52,8 @@ def add_serve_parser(commands: Any) -> None:
     app = serve.add_argument_group("the app (deployments/app.yaml's args)")
     for name, field in AppArgs.model_fields.items():
         if name not in ("model", "engine"):
-            _add_flag(app, name, field.annotation, field.default, field.description)
+            default = field.default_factory() if field.default_factory is not None else field.default
+            _add_flag(app, name, field.annotation, default, field.description)
     engine = serve.add_argument_group("the engine (ponytail.LLM's arguments, docs/configuration.md)")
     for section, field, doc in engine_fields():
         if section != "tuning":

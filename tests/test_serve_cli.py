@@ -39,7 +39,8 @@ def test_help_lists_every_knob_with_its_default(capsys):
     text = " ".join(out.split())  # argparse wraps lines
     for flag in ("--host", "--port", "--address", "--replicas", "MODEL"):
         assert flag in text
-    defaults = {name: field.default for name, field in AppArgs.model_fields.items() if name not in ("model", "engine")}
+    defaults = {name: field.default_factory() if field.default_factory else field.default
+                for name, field in AppArgs.model_fields.items() if name not in ("model", "engine")}
     defaults.update({field.name: None if field.default is dataclasses.MISSING else field.default
                      for section, field, _ in engine_fields() if section != "tuning"})  # the engine's, flat
     for name, default in defaults.items():
