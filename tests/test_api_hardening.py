@@ -45,24 +45,103 @@ def http(guarded):
         yield client
 
 
-def test_api_key_is_required_on_every_v1_route_and_health_stays_open(guarded, http):
+def test_api_key_is_required_on_every_route_but_health(guarded, http):
     backend, url = guarded
     with httpx.Client(base_url=url, timeout=5) as anonymous:
         assert anonymous.get("/health").status_code == 200
         for method, path in (("GET", "/v1/models"), ("GET", "/v1/models/x"), ("POST", "/v1/completions"),
-                             ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere")):
+                             ("POST", "/v1/chat/completions"), ("GET", "/v1/nowhere"), ("POST", "/tokenize"),
+                             ("POST", "/detokenize"), ("GET", "/metrics"), ("GET", "/version"), ("GET", "/docs"),
+                             ("GET", "/openapi.json")):
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
                             {"Authorization": f"Basic {KEY}"}):
                 r = anonymous.request(method, path, headers=headers, json={"prompt": "hi"})
                 error = assert_error(r, 401, None, "a valid API key is required: send it as "
                                                    "'Authorization: Bearer <key>'")
                 assert error["code"] == "invalid_api_key" and r.headers["www-authenticate"] == "Bearer"
+        for path in ("/v1/messages", "/v1/messages/count_tokens"):  # Anthropic's routes answer in its shape
+            r = anonymous.post(path, json={"model": MODEL})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert backend.requests == []
     with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=5) as client:
         assert client.completions.create(model=MODEL, prompt="hi", max_tokens=3).usage.completion_tokens == 3
     with openai.OpenAI(base_url=f"{url}/v1", api_key="sk-wrong", max_retries=0, timeout=5) as client:
         with pytest.raises(openai.AuthenticationError, match="a valid API key is required"):
             client.models.list()
+
+
+def test_metrics_may_be_opened_to_scrapers_and_nothing_else_is():
+    with serving(policy=AccessPolicy(api_key=KEY, metrics_without_key=True)) as (_, url):
+        with httpx.Client(base_url=url, timeout=5) as anonymous:
+            assert anonymous.get("/metrics").status_code == 200
+            assert anonymous.get("/v1/models").status_code == 401
+            assert anonymous.post("/tokenize", json={"prompt": "hi"}).status_code == 401
+
+
+def _asgi_call(policy: AccessPolicy, client: tuple | None, path: str = "/v1/models") -> tuple[int, bytes]:
+    """One request through the guard alone (the app behind it answers 200), from `client`'s address."""
+    import asyncio
+
+    from deployments.api.http_guard import HTTPGuard
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sent = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET", "path": path, "headers": [], "client": client}
+    asyncio.run(HTTPGuard(app, policy)(scope, receive, send))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_without_a_key_only_this_machines_clients_are_served():
+    for client in (("127.0.0.1", 5000), ("::1", 5000), None):  # loopback, or an in-process caller
+        assert _asgi_call(AccessPolicy(), client)[0] == 200
+    status, body = _asgi_call(AccessPolicy(), ("10.0.0.7", 5000))
+    assert status == 403 and b"this server has no API key, so it serves only clients on its own machine" in body
+    assert b'"code":"no_api_key"' in body
+    assert _asgi_call(AccessPolicy(), ("10.0.0.7", 5000), "/health")[0] == 200  # load balancers' checks
+    assert _asgi_call(AccessPolicy(open_access=True), ("10.0.0.7", 5000))[0] == 200  # open on purpose
+    assert _asgi_call(AccessPolicy(api_key=KEY), ("10.0.0.7", 5000))[0] == 401  # a key: anyone who has it
+
+
+def test_a_body_that_trickles_in_gets_a_408_and_frees_the_connection():
+    import socket
+    import time
+
+    with serving(policy=AccessPolicy(body_timeout_s=0.5)) as (backend, url):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"prompt\"")  # then nothing more
+            started = time.monotonic()
+            answer = conn.recv(4096).decode()
+        assert answer.startswith("HTTP/1.1 408") and "the body did not arrive within 0.5 s (body_timeout_s)" in answer
+        assert time.monotonic() - started < 5 and backend.requests == []
+
+
+def test_every_post_route_has_the_body_limit(http, guarded):
+    for path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/responses", "/v1/messages"):
+        r = http.post(path, content=b"x" * 20_000, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, (path, r.text)
+
+
+def test_json_nested_too_deeply_is_a_400_on_every_route(http, guarded):
+    deep = b"[" * 100_000 + b"]" * 100_000
+    with serving(RequestLimits(max_body_bytes=1 << 20)) as (_, url):
+        with httpx.Client(base_url=url, timeout=10) as client:
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens",
+                         "/v1/responses", "/tokenize", "/detokenize"):
+                r = client.post(path, content=deep, headers={"Content-Type": "application/json"})
+                assert r.status_code == 400, (path, r.status_code, r.text[:200])
+                assert "Traceback" not in r.text
 
 
 def test_only_json_bodies_are_taken(http, guarded):

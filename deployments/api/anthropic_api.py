@@ -26,7 +26,8 @@ from .shaped_stream import shaped_events
 from .streams import DONE
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                415: "invalid_request_error",
                 429: "rate_limit_error", 503: "overloaded_error"}
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}  # else end_turn (or stop_sequence)
 

@@ -1,15 +1,20 @@
-"""The HTTP gate in front of the OpenAI routes: API key, JSON bodies only, body size, CORS.
+"""The HTTP gate in front of every route: API key, who may call without one, JSON bodies only, body
+size and time, CORS.
 
 An ASGI middleware (not Starlette's BaseHTTPMiddleware, which wraps streaming responses and the
-disconnect messages the API watches). For every `/v1` request, in this order:
+disconnect messages the API watches). For every request but `/health` (open for load balancers and
+Serve's checks), in this order:
 
-- 401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>` (what Anthropic's
-  clients send) matches (compared in constant time), when a key is configured; `/health` stays
-  open for load balancers and Serve's checks.
+- with a key configured, 401 unless `Authorization: Bearer <api_key>` or `x-api-key: <api_key>`
+  (what Anthropic's clients send) matches (compared in constant time); `metrics_without_key` opens
+  `/metrics` to scrapers that send none;
+- without one, 403 for a client that is not on this machine (its address is not loopback) unless
+  `open_access` says the API is open on purpose (behind a gateway that authenticates callers);
 - 415 for a POST whose Content-Type is not application/json: a web page can send a cross-origin
-  `text/plain` POST without a CORS preflight, a JSON one it cannot.
-- 413 for a body over max_body_bytes: at once from Content-Length, else while it is read; the
-  body read here is handed on to the app unchanged.
+  `text/plain` POST without a CORS preflight, a JSON one it cannot;
+- 413 for a body over max_body_bytes: at once from Content-Length, else while it is read; 408 for a
+  body that has not all arrived within body_timeout_s (a client sending a byte at a time holds
+  nothing longer). The body read here is handed on to the app unchanged.
 
 No CORS headers are sent unless `cors_origins` is configured (then Starlette's CORSMiddleware
 answers preflights for those origins only).
@@ -17,6 +22,7 @@ answers preflights for those origins only).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 from dataclasses import dataclass, field
@@ -30,11 +36,18 @@ API_KEY_ENV = "PONYTAIL_API_KEY"  # as vLLM's VLLM_API_KEY
 ANTHROPIC_PATH = "/v1/messages"  # Anthropic's Messages API (anthropic_api.py): errors in its shape
 
 
+OPEN_PATHS = ("/health",)
+LOOPBACK = ("127.", "::1", "localhost")  # address prefixes of this machine's own clients
+
+
 @dataclass(slots=True)
 class AccessPolicy:
-    api_key: str | None = None  # None: no key asked (only bind to loopback then, see app.yaml)
+    api_key: str | None = None  # None: no key asked, and only this machine's clients are served
     cors_origins: list[str] = field(default_factory=list)  # browser origins allowed to call the API
     max_body_bytes: int = 4 << 20
+    body_timeout_s: float = 30.0  # the most a request body may take to arrive
+    open_access: bool = False  # without a key, serve other machines' clients too
+    metrics_without_key: bool = False  # /metrics answers scrapers without the key
 
 
 async def _send_error(scope, send, status: int, message: str, code: str, headers: list | None = None) -> None:
@@ -58,7 +71,7 @@ def _header(scope, name: bytes) -> str | None:
 
 
 class HTTPGuard:
-    """ASGI middleware enforcing an AccessPolicy on /v1 routes (see the module docstring)."""
+    """ASGI middleware enforcing an AccessPolicy on every route but /health (the module docstring)."""
 
     def __init__(self, app, policy: AccessPolicy):
         self.app = app
@@ -66,12 +79,18 @@ class HTTPGuard:
         self._key = policy.api_key.encode() if policy.api_key else None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not scope.get("path", "").startswith("/v1"):
+        path = scope.get("path", "")
+        if scope["type"] != "http" or path in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        if self._key is not None and not self._authorized(scope):
-            return await _send_error(scope, send, 401, "a valid API key is required: send it as 'Authorization: "
-                                     "Bearer <key>' (or 'x-api-key: <key>')", "invalid_api_key",
-                                     [(b"www-authenticate", b"Bearer")])
+        if self._key is not None:
+            if not self._authorized(scope) and not (self.policy.metrics_without_key and path == "/metrics"):
+                return await _send_error(scope, send, 401, "a valid API key is required: send it as 'Authorization: "
+                                         "Bearer <key>' (or 'x-api-key: <key>')", "invalid_api_key",
+                                         [(b"www-authenticate", b"Bearer")])
+        elif not self.policy.open_access and not _local(scope):
+            return await _send_error(scope, send, 403, "this server has no API key, so it serves only clients on its "
+                                     "own machine; allowed: set api_key (or PONYTAIL_API_KEY) and send it, or "
+                                     "open_access: true where a gateway authenticates callers", "no_api_key")
         if scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         content_type = (_header(scope, b"content-type") or "").split(";")[0].strip().lower()
@@ -85,8 +104,13 @@ class HTTPGuard:
                                      "(max_body_bytes)", "request_too_large")
         body, message = [], None
         size = 0
-        while True:  # read it all here (bounded), then replay it to the app
-            message = await receive()
+        deadline = asyncio.get_running_loop().time() + self.policy.body_timeout_s
+        while True:  # read it all here (bounded in size and time), then replay it to the app
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except TimeoutError:
+                return await _send_error(scope, send, 408, f"the body did not arrive within "
+                                         f"{self.policy.body_timeout_s:g} s (body_timeout_s)", "request_timeout")
             if message["type"] != "http.request":
                 break
             size += len(message.get("body", b""))
@@ -114,6 +138,12 @@ class HTTPGuard:
             return True
         key = _header(scope, b"x-api-key")
         return key is not None and hmac.compare_digest(key.strip().encode(), self._key)
+
+
+def _local(scope) -> bool:
+    """The client is on this machine (its address is loopback; no address: an in-process caller)."""
+    client = scope.get("client")
+    return not client or str(client[0]).startswith(LOOPBACK)
 
 
 def install(app, policy: AccessPolicy) -> None:

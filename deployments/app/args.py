@@ -47,10 +47,16 @@ class AppArgs(ReplicaOptions):
     num_gpus: float | None = Field(None, description="GPUs per engine replica as Ray counts them (0.5: two "
                                    "replicas per GPU, each with its own kv_cache_memory); unset: the engine's "
                                    "gpu_memory_utilization, else 1")
-    api_key: str | None = Field(None, description=f"the Bearer key every /v1 route requires; unset: "
-                                f"{API_KEY_ENV} from the environment, else no key")
+    api_key: str | None = Field(None, description=f"the Bearer key every route but /health requires; unset: "
+                                f"{API_KEY_ENV} from the environment, else no key (and only this machine served)")
     cors_origins: list[str] = Field(default_factory=list, description="browser origins allowed to call the API; "
                                     "none: no CORS headers")
+    open_access: bool = Field(False, description="without api_key, serve clients on other machines too (only "
+                              "behind a gateway that authenticates them); false: they get 403 until a key is set")
+    metrics_without_key: bool = Field(False, description="with api_key, /metrics answers scrapers that send no key "
+                                      "(every other route but /health asks for it)")
+    body_timeout_s: float = Field(30.0, description="a request body that has not all arrived within this many "
+                                  "seconds gets 408 (slow clients hold no connection longer)")
     ingress_replicas: int = Field(1, ge=1, description="OpenAI ingress replicas; more than 1: a separate ingress "
                                   "deployment (api_in_engines off) spreading many streams' per-delta work over "
                                   "processes; each takes one CPU and queues up to max_queued_requests")
@@ -126,7 +132,7 @@ class AppArgs(ReplicaOptions):
             raise ValueError(f"{info.field_name}={value:g} is not supported; allowed: seconds >= 0 (0: never hold)")
         return value
 
-    @field_validator("retry_after_s", "shutdown_timeout_s")
+    @field_validator("retry_after_s", "shutdown_timeout_s", "body_timeout_s")
     @classmethod
     def _positive_seconds(cls, value: float, info) -> float:
         if not is_seconds(value) or value <= 0:
@@ -168,7 +174,9 @@ class AppArgs(ReplicaOptions):
     def access(self) -> AccessPolicy:
         """The HTTP gate's policy; the API key from the args, else from PONYTAIL_API_KEY."""
         return AccessPolicy(api_key=self.api_key or os.environ.get(API_KEY_ENV) or None,
-                            cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes)
+                            cors_origins=list(self.cors_origins), max_body_bytes=self.max_body_bytes,
+                            body_timeout_s=self.body_timeout_s, open_access=self.open_access,
+                            metrics_without_key=self.metrics_without_key)
 
     def replica_options(self) -> dict[str, Any]:
         """EngineReplica's serving options (ReplicaOptions' fields) as these args set them."""
