@@ -195,6 +195,7 @@ def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(http, guarded):
 @pytest.mark.parametrize("body, param, message, code", [
     ({"prompt": "hi", "n": 3}, "n", "n=3 is more than this server allows: at most 2 (max_n)", None),
     ({"prompt": "hi", "best_of": 3}, "best_of", "best_of=3 is more than this server allows: at most 2 (max_n)", None),
+    ({"prompt": "hi", "n": 0}, "n", "n=0 is invalid; allowed: an integer in [1, 2] (max_n)", None),
     ({"prompt": "hi", "stop": ["a"] * 5}, "stop", "stop has 5 strings; allowed: at most 4 (max_stop)", None),
     ({"prompt": "hi", "stop": "x" * 21}, "stop",
      "stop has a string of 21 characters; allowed: at most 20 (max_stop_chars)", None),

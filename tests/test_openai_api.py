@@ -287,7 +287,7 @@ CHAT = {"messages": [{"role": "user", "content": "hi"}]}
     ("/v1/completions", {"prompt": "hi", "temperature": -1}, "temperature",
      ["temperature: Input should be greater than or equal to 0 (got -1)"]),
     ("/v1/completions", {"prompt": "hi", "top_p": 2}, "top_p", ["top_p: Input should be less than or equal to 1 (got 2)"]),
-    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", ["n=0", "[1, 128]"]),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, "n", ["n=0", "allowed: an integer in [1, 16] (max_n)"]),
     ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, "best_of", ["best_of=2", "[n=3, 128]"]),
     ("/v1/completions", {"prompt": "hi", "best_of": 2, "stream": True}, "best_of",
      ["best_of > 1 is not allowed with stream=true"]),

@@ -48,6 +48,9 @@ class RequestLimits:
             if value is not None and value > self.max_n:
                 raise LimitExceeded(f"{name}={value} is more than this server allows: at most {self.max_n} "
                                     "(max_n)", name)
+            if value is not None and value < 1:  # the server's range, not SamplingParams' wider one
+                raise LimitExceeded(f"{name}={value} is invalid; allowed: an integer in [1, {self.max_n}] (max_n)",
+                                    name)
         stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
         if len(stop) > self.max_stop:
             raise LimitExceeded(f"stop has {len(stop)} strings; allowed: at most {self.max_stop} (max_stop)", "stop")
