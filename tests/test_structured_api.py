@@ -199,12 +199,30 @@ def test_streamed_tool_call_matches_the_whole_answer(client):
     assert "".join(d.function.arguments or "" for d in deltas) == whole.function.arguments
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-    required = [c for c in client.chat.completions.create(
-        model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=150,
-        stream=True) if c.choices]
-    calls = [d for c in required for d in (c.choices[0].delta.tool_calls or [])]
-    assert calls and all(d.id and d.function.name in ("get_weather", "get_time") for d in calls)
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", temperature=0,
+                  max_tokens=150)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
+    required = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+    deltas = [d for c in required for d in (c.choices[0].delta.tool_calls or [])]
+    firsts = [d for d in deltas if d.id]  # each call opens with its id and name, then its arguments in pieces
+    assert [(d.index, d.function.name) for d in firsts] == [(i, call.function.name) for i, call in enumerate(whole)]
+    assert len(deltas) > 2 * len(firsts)
+    for i, call in enumerate(whole):
+        assert "".join(d.function.arguments or "" for d in deltas if d.index == i) == call.function.arguments
     assert required[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_a_forced_call_cut_short_finishes_length_and_is_never_text(client):
+    """max_tokens ends the call before its JSON closes: finish_reason "length", no content, only the
+    calls that were whole (none here); the stream has sent the pieces it had, then the same finish."""
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=choice, temperature=0,
+                      max_tokens=6)
+        cut = client.chat.completions.create(**kwargs).choices[0]
+        assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", None, None)
+        chunks = [c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        assert not any(c.choices[0].delta.content for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_streamed_json_schema_matches_the_whole_answer(client):

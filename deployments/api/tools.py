@@ -10,8 +10,8 @@ or streamed as deltas.
 - tool_choice {"type": "function", "function": {"name": N}}: the output is N's arguments,
   constrained by its `parameters` schema, streamed as argument deltas of one call.
 - tool_choice "required": the output is a JSON list of {"name", "parameters"} objects, one per
-  call (vLLM's format), at least one (exactly one when parallel_tool_calls is false); the calls
-  are sent once the list is complete.
+  call (vLLM's format), at least one (exactly one when parallel_tool_calls is false); each call
+  streams as it is written, its name, then its arguments in pieces (required_calls.py).
 - tool_choice "auto" (OpenAI's default once tools are given): the model decides, unconstrained,
   and writes calls in its own format, which tool_parsers.py reads (Hermes `<tool_call>` blocks:
   Qwen2.5/3, Hermes and their fine-tunes; GLM-4.5-4.7's name and `<arg_key>` pairs in the same
@@ -21,8 +21,10 @@ or streamed as deltas.
   the calls is the content; with parallel_tool_calls false only the first call counts. Refused
   where the template shows no format (SmolLM2's): nothing to parse.
   "none" generates text as usual.
-All finish with finish_reason "tool_calls" when they called. Errors are ConfigErrors starting
-"field=value", so the API answers 400 naming the field.
+All finish with finish_reason "tool_calls" when they called. A forced call that max_tokens cut short
+finishes with "length", never as text: the whole answer holds the calls that were complete (none for
+a named tool), no content. Errors are ConfigErrors starting "field=value", so the API answers 400
+naming the field.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from ponytail import ConfigError
 from .engine_requests import Draft, response_format_constraint
 from .openai_requests import ChatCompletionRequest, FunctionCall, ToolCall, constraint_fields
 from .openai_responses import ChatChoice, ChatDelta, ChatMessage, FunctionCallDelta, ToolCallDelta, Usage
+from .required_calls import RequiredCallStream
 from .tool_parsers import MISTRAL, call_stream, parse
 from .xml_tool_calls import typed_arguments
 
@@ -203,22 +206,19 @@ def _nine_character_ids(messages: list[dict] | None) -> None:
             message["tool_call_id"] = short(message["tool_call_id"])
 
 
-def parse_calls(plan: ToolPlan, text: str) -> list[ToolCall] | None:
-    """The tool calls in a finished constrained output ('required' or a named tool); None when it is
-    not complete JSON (max_tokens hit)."""
+def parse_calls(plan: ToolPlan, text: str) -> tuple[list[ToolCall], bool]:
+    """The tool calls in a finished constrained output ('required' or a named tool), and whether the
+    output was complete: cut short (max_tokens hit), only the calls that were whole come back."""
     if plan.name is not None:
         try:
             json.loads(text)
         except ValueError:
-            return None
-        return [ToolCall(id=_call_id(plan), function=FunctionCall(name=plan.name, arguments=text))]
-    try:
-        items = json.loads(text)
-        return [ToolCall(id=_call_id(plan), function=FunctionCall(name=item["name"],
-                                                              arguments=json.dumps(item["parameters"])))
-                for item in items]
-    except (ValueError, TypeError, KeyError):
-        return None
+            return [], False
+        return [ToolCall(id=_call_id(plan), function=FunctionCall(name=plan.name, arguments=text))], True
+    stream = RequiredCallStream()
+    stream.feed(text)
+    return [ToolCall(id=_call_id(plan), function=FunctionCall(name=name, arguments=arguments))
+            for name, arguments in stream.whole_calls()], stream.complete
 
 
 class ToolCallFormat:
@@ -232,7 +232,7 @@ class ToolCallFormat:
         self.plan = plan
         self.pieces: dict[int, list[str]] = {}  # per choice: its output so far (constrained plans)
         self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
-        self.streams: dict[int, object] = {}  # per choice under 'auto': its output, split (tool_parsers)
+        self.streams: dict[int, object] = {}  # per choice: its output, split (tool_parsers; 'required': required_calls)
         self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
 
     def call_id(self, index: int) -> str:
@@ -254,14 +254,24 @@ class ToolCallFormat:
             chunks = self._split(index, self._stream(index).feed(text), items)
             return chunks or ([self._chunk(index, ChatDelta(), items=items)] if items else [])
         self.pieces.setdefault(index, []).append(text)
-        if self.plan.name is None:  # a list of calls: sent once it is complete
-            return []
+        if self.plan.name is None:  # a list of calls: each one's name, then its arguments as they come
+            chunks = [self._required_delta(index, event) for event in self._stream(index).feed(text)]
+            return chunks or ([self._chunk(index, ChatDelta(), items=items)] if items else [])
         return [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(index=0, function=FunctionCallDelta(
             arguments=text))]), items=items)]
 
+    def _required_delta(self, index: int, event: tuple) -> BaseModel:
+        kind, number, value = event
+        if kind == "name":
+            call = ToolCallDelta(index=number, id=_call_id(self.plan), type="function",
+                                 function=FunctionCallDelta(name=value, arguments=""))
+        else:
+            call = ToolCallDelta(index=number, function=FunctionCallDelta(arguments=value))
+        return self._chunk(index, ChatDelta(tool_calls=[call]))
+
     def _stream(self, index: int):
         if index not in self.streams:
-            self.streams[index] = call_stream(self.plan.format)
+            self.streams[index] = call_stream(self.plan.format) if self.plan.format else RequiredCallStream()
         return self.streams[index]
 
     def _split(self, index: int, events: list, items=None) -> list[BaseModel]:
@@ -283,16 +293,8 @@ class ToolCallFormat:
             called = self.calls_sent.get(index, 0) > 0
             return chunks + [self._chunk(index, ChatDelta(), "tool_calls" if called else finish_reason)]
         text = "".join(self.pieces.get(index, []))
-        calls = parse_calls(self.plan, text)
-        if self.plan.name is not None:
-            return [self._chunk(index, ChatDelta(), "tool_calls" if calls is not None else finish_reason)]
-        if calls is None:  # cut short: what was generated, as text
-            return [self._chunk(index, ChatDelta(content=text)), self._chunk(index, ChatDelta(), finish_reason)]
-        deltas = [self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
-            index=i, id=call.id, type="function",
-            function=FunctionCallDelta(name=call.function.name, arguments=call.function.arguments))]))
-            for i, call in enumerate(calls)]
-        return deltas + [self._chunk(index, ChatDelta(), "tool_calls")]
+        complete = parse_calls(self.plan, text)[1]
+        return [self._chunk(index, ChatDelta(), "tool_calls" if complete else finish_reason)]
 
     def usage(self, usage: Usage) -> BaseModel:
         return self.chat_format.usage(usage)
@@ -304,12 +306,15 @@ class ToolCallFormat:
             calls = [ToolCall(id=_call_id(self.plan),
                               function=FunctionCall(name=c.name, arguments=self.plan.arguments(c)))
                      for c in (parsed if self.plan.parallel else parsed[:1])] or None
-        else:
-            content, calls = None, parse_calls(self.plan, text)
+        else:  # forced: never text; cut short, the calls that were whole and the finish that says why
+            calls, complete = parse_calls(self.plan, text)
+            if self.plan.name is not None and calls:
+                calls[0].id = self.call_id(index)
+            message = choice.message.model_copy(update={"content": None, "tool_calls": calls or None})
+            return choice.model_copy(update={"message": message,
+                                             "finish_reason": "tool_calls" if complete else finish_reason})
         if calls is None:
             return choice
-        if self.plan.name is not None:
-            calls[0].id = self.call_id(index)
         return choice.model_copy(update={"message": ChatMessage(content=content, tool_calls=calls),
                                          "finish_reason": "tool_calls"})
 
