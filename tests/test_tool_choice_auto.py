@@ -37,6 +37,7 @@ class ScriptedBackend:
     def __init__(self, tool_call_format: str | None = "hermes"):
         self.tool_call_format = tool_call_format
         self.script: list[str] = []
+        self.finish_reason = "stop"
         self.requests = []
 
     async def model_info(self) -> ModelInfo:
@@ -51,7 +52,7 @@ class ScriptedBackend:
         for i, piece in enumerate(self.script):
             done = i + 1 == len(self.script)
             yield GenerateDelta(request_id=request.request_id, text=piece, token_ids=[100 + i], finished=done,
-                                finish_reason="stop" if done else None, prompt_tokens=10, completion_tokens=i + 1)
+                                finish_reason=self.finish_reason if done else None, prompt_tokens=10, completion_tokens=i + 1)
 
     async def abort(self, request_id: str) -> None:
         pass
@@ -94,10 +95,30 @@ def test_a_streamed_auto_answer_matches_the_whole_one(served):
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
     calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
     assert content == "I will check."
+    # each call's name as soon as its arguments open, then its arguments in the pieces the model wrote
     assert [(d.index, d.function.name, d.function.arguments) for d in calls] == [
-        (0, "get_weather", '{"city": "Paris"}'), (1, "get_time", "{}")]
-    assert all(d.id and d.type == "function" for d in calls)
+        (0, "get_weather", ""), (0, None, '{"city": "Pa'), (0, None, 'ris"}'), (1, "get_time", ""), (1, None, "{}")]
+    assert [bool(d.id and d.type == "function") for d in calls] == [True, False, False, True, False]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    whole = ask(client).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in whole] == [
+        ("get_weather", '{"city": "Paris"}'), ("get_time", "{}")]
+
+
+def test_an_auto_call_cut_by_max_tokens_finishes_length_streamed_and_whole(served):
+    backend, client = served
+    backend.script = ["<tool_call>\n", '{"name": "get_weather", "arguments": {"city": "Pa']
+    backend.finish_reason = "length"
+    try:
+        chunks = [c for c in ask(client, stream=True) if c.choices]
+        choice = ask(client).choices[0]
+    finally:
+        backend.finish_reason = "stop"
+    arguments = "".join(d.function.arguments for c in chunks for d in (c.choices[0].delta.tool_calls or []))
+    assert arguments == '{"city": "Pa' and chunks[-1].choices[0].finish_reason == "length"
+    assert choice.finish_reason == "length"  # the arguments are as far as they were written
+    assert [(c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
+        ("get_weather", '{"city": "Pa')]
 
 
 def test_qwen3_coder_xml_calls_come_back_typed_by_the_tools_schema(served):
@@ -144,7 +165,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(served):
     whole = ask(client, parallel_tool_calls=False).choices[0].message.tool_calls
     assert [c.function.name for c in whole] == ["get_weather"]
     chunks = [c for c in ask(client, stream=True, parallel_tool_calls=False) if c.choices]
-    assert [d.function.name for c in chunks for d in (c.choices[0].delta.tool_calls or [])] == ["get_weather"]
+    deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
+    assert [(d.index, d.function.name) for d in deltas] == [(0, "get_weather"), (0, None), (0, None)]
+    assert "".join(d.function.arguments for d in deltas) == '{"city": "Paris"}'  # the second call's: none
 
 
 def test_an_answer_without_calls_is_plain_text(served):

@@ -74,10 +74,26 @@ def test_one_block_may_hold_a_list_of_calls():
 
 
 def streamed(pieces, fmt=HERMES):
+    """(content, calls, events) of `pieces` fed one by one; a call streamed as it was written
+    (call_name, call_arguments pieces, call_done) must add up to the call it ends with."""
     stream = call_stream(fmt)
     events = [event for piece in pieces for event in stream.feed(piece)] + stream.finish()
     content = "".join(value for kind, value in events if kind == "content")
-    return (content or None), [value for kind, value in events if kind == "call"], events
+    calls, writing = [], None
+    for kind, value in events:
+        if kind == "call_name":
+            assert writing is None
+            writing = [value, ""]
+        elif kind == "call_arguments":
+            writing[1] += value
+        elif kind == "call_done":
+            assert [value.name, value.arguments] == writing
+            calls.append(value)
+            writing = None
+        elif kind == "call":
+            assert writing is None
+            calls.append(value)
+    return (content or None), calls, events
 
 
 XML_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nNew York\n</parameter>\n<parameter=days>\n3\n"
@@ -175,7 +191,7 @@ def test_a_stream_cut_anywhere_gives_the_whole_answer(data, cuts):
     content, calls, events = streamed(pieces, fmt)
     assert (content, calls) == parse(fmt, text)
     # Nothing the model wrote is lost: the content plus the calls' blocks account for all but whitespace.
-    assert all(kind == "call" or value for kind, value in events)
+    assert all(kind in ("call", "call_done") or value for kind, value in events)
 
 
 @settings(max_examples=200, deadline=None)
@@ -188,9 +204,44 @@ def test_a_stream_fed_one_character_at_a_time_gives_the_whole_answer(text):
 def test_content_before_a_call_streams_before_it_closes():
     stream = HermesCallStream()
     assert stream.feed("Checking the weather. <tool") == [("content", "Checking the weather.")]
-    assert stream.feed('_call>{"name": "get_weather", "arguments": {}}') == []  # inside the block
-    assert stream.feed("</tool_call>") == [("call", ParsedCall("get_weather", "{}"))]
+    assert stream.feed('_call>{"name": "get_weather", "arguments": {}}') == [  # its name, then its arguments
+        ("call_name", "get_weather"), ("call_arguments", "{}")]
+    assert stream.feed("</tool_call>") == [("call_done", ParsedCall("get_weather", "{}"))]
     assert stream.feed("\n") == [] and stream.finish() == []  # trailing whitespace after a call
+
+
+def test_a_calls_arguments_stream_in_pieces_as_the_model_writes_them():
+    stream = HermesCallStream()
+    pieces = ["<tool_call>\n", '{"name": "get_', 'weather", "arguments": ', '{"city": "Pa', 'ris", "note": "a } in ',
+              'a \\" string", "days": [1, {"x": 2}]', "}}\n</tool", "_call>"]
+    events = [stream.feed(piece) for piece in pieces]
+    assert events[:3] == [[], [], []]  # the name goes out once the arguments open
+    assert events[3] == [("call_name", "get_weather"), ("call_arguments", '{"city": "Pa')]
+    assert events[4:6] == [[("call_arguments", 'ris", "note": "a } in ')],
+                           [("call_arguments", 'a \\" string", "days": [1, {"x": 2}]')]]
+    assert events[6] == [("call_arguments", "}")]  # the object's own brace; the call object's is not sent
+    arguments = '{"city": "Paris", "note": "a } in a \\" string", "days": [1, {"x": 2}]}'
+    assert events[7] == [("call_done", ParsedCall("get_weather", arguments))]
+    assert json.loads(arguments)["note"] == 'a } in a " string'
+
+
+def test_a_call_cut_short_inside_its_arguments_is_still_the_call_it_began():
+    stream = HermesCallStream()
+    events = stream.feed('<tool_call>{"name": "f", "arguments": {"a": "unfini') + stream.finish()
+    assert events == [("call_name", "f"), ("call_arguments", '{"a": "unfini'),
+                      ("call_done", ParsedCall("f", '{"a": "unfini'))]
+    assert stream.cut_call
+    closed = HermesCallStream()
+    closed.feed('<tool_call>{"name": "f", "arguments": {}}')
+    closed.finish()
+    assert not closed.cut_call  # its arguments were whole; only the block's end tag is missing
+
+
+def test_other_block_bodies_are_read_whole():
+    for body in ['[{"name": "f", "arguments": {}}]', '{"arguments": {}, "name": "f"}', XML_WEATHER[11:-12]]:
+        stream = HermesCallStream()
+        events = stream.feed("<tool_call>" + body) + stream.feed("</tool_call>")
+        assert [kind for kind, _ in events] == ["call"], body
 
 
 def test_llama3_json_calls_are_the_whole_answer():

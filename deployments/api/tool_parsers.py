@@ -15,17 +15,16 @@ from __future__ import annotations
 
 import ast
 import json
-import re
-from dataclasses import dataclass
 
-from .xml_tool_calls import ARG_KEY, glm_calls, xml_calls
+from .call_arguments import StreamedArguments
+from .call_bodies import FUNCTION_NAME, ParsedCall, block_calls, call_items, json_calls, text_valued
+from .xml_tool_calls import ARG_KEY, glm_calls
 
 HERMES, LLAMA3_JSON, MISTRAL, PYTHONIC, GLM45 = "hermes", "llama3_json", "mistral", "pythonic", "glm45"
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"  # Llama 4's, around pythonic calls
 TOOL_CALLS, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"  # Mistral's control tokens
-_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")  # what OpenAI allows a function's name
 
 
 # What an operator may set as tool_call_parser (vLLM's --tool-call-parser): "auto" finds the format
@@ -65,52 +64,14 @@ def tool_call_format(chat_template) -> str | None:
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class ParsedCall:
-    """One call the model wrote: the function's name and its arguments as JSON text."""
-
-    name: str
-    arguments: str
-    text_values: bool = False  # every argument is text as written (XML calls): the tool's schema types them
-
-
-def _calls(body: str) -> list[ParsedCall] | None:
-    """The calls in one `<tool_call>` block's body: an object, or a list of them (some fine-tunes
-    write one block for all their calls), or Qwen3-Coder's `<function=...>` XML; None when it is
-    not that (bad JSON, a call without a name)."""
-    xml = xml_calls(body)
-    if xml is not None:
-        return _text_valued(xml)
-    try:
-        items = json.loads(body)
-    except ValueError:
-        return None
-    return _call_items(items if isinstance(items, list) else [items])
-
-
-def _text_valued(found: list[tuple[str, dict[str, str]]]) -> list[ParsedCall] | None:
-    """Calls whose argument values are text as written (XML and GLM calls); None if a name is not one."""
-    if not all(_FUNCTION_NAME.fullmatch(name) for name, _ in found):
-        return None
-    return [ParsedCall(name, json.dumps(arguments), text_values=True) for name, arguments in found]
-
-
-def _call_items(items: list) -> list[ParsedCall] | None:
-    """Decoded call objects ({"name", "arguments" or "parameters"}) as calls; None unless all are."""
-    if not items or not all(isinstance(item, dict) and isinstance(item.get("name"), str) for item in items):
-        return None
-    calls = []
-    for item in items:
-        arguments = item.get("arguments", item.get("parameters", {}))
-        calls.append(ParsedCall(item["name"], arguments if isinstance(arguments, str) else json.dumps(arguments)))
-    return calls
-
-
 class HermesCallStream:
     """Feeds of one choice's output -> ("content", text) and ("call", ParsedCall) events, in order.
 
-    A block whose body is not a call (the model wrote the tag and then no JSON) stays in the
-    content as written, tags included. Trailing whitespace waits for more text: it goes out with
+    A block that opens as one call object streams it as it is written (call_arguments.py):
+    ("call_name", name), ("call_arguments", text) pieces, then ("call_done", ParsedCall) with the
+    arguments as written, however the block ends (`cut_call`: their object never closed). A block
+    whose body is not a call (the model wrote the tag and then no JSON) stays in the content as
+    written, tags included. Trailing whitespace waits for more text: it goes out with
     the next text, or at the end when no call was made; before and between calls (newlines) it is
     not content. Where the pieces are cut changes nothing."""
 
@@ -120,6 +81,8 @@ class HermesCallStream:
         self._body: list[str] | None = None  # inside a block: its body so far
         self._tail = ""  # the body's last len(CLOSE) - 1 characters: where a CLOSE cut in pieces starts
         self._called_any = False  # a call went out: trailing whitespace is not content
+        self._streamed = StreamedArguments()  # the open block's call, as it is written
+        self.cut_call = False  # the output ended inside a call's arguments
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         events: list[tuple[str, object]] = []
@@ -134,16 +97,18 @@ class HermesCallStream:
                 if end < 0:
                     self._body.append(text)
                     self._tail = (tail + text)[-(len(CLOSE) - 1):]
+                    events += self._streamed.feed(text)
                     return events
                 joined = "".join(self._body) + text
                 end += len(joined) - len(text) - len(tail)
+                events += self._streamed.feed(joined[len(joined) - len(text):end])
                 self._close(joined[:end], events)
                 text = joined[end + len(CLOSE):]
                 continue
             start = text.find(OPEN)
             if start >= 0:
                 self._content(events, text[:start])
-                self._body, self._tail = [], ""
+                self._body, self._tail, self._streamed = [], "", StreamedArguments()
                 text = text[start + len(OPEN):]
                 continue
             keep = partial_tag(text)
@@ -158,7 +123,10 @@ class HermesCallStream:
         if self._body is not None:
             body, self._body = "".join(self._body), None
             calls = self.block_calls(body)
-            if calls is not None:
+            if self._streamed.name is not None:
+                self.cut_call = not self._streamed.closed
+                self._streamed_call(events)
+            elif calls is not None:
                 self._called(events, calls)
             else:
                 self._content(events, OPEN + body)
@@ -168,15 +136,22 @@ class HermesCallStream:
         self._held = self._blank = ""
         return events
 
-    block_calls = staticmethod(_calls)  # a block's body -> its calls, or None: not a call
+    block_calls = staticmethod(block_calls)  # a block's body -> its calls, or None: not a call
 
     def _close(self, body: str, events: list) -> None:
         self._body = None
+        if self._streamed.name is not None:  # already going out as a call
+            self._streamed_call(events)
+            return
         calls = self.block_calls(body)
         if calls is None:
             self._content(events, OPEN + body + CLOSE)
         else:
             self._called(events, calls)
+
+    def _streamed_call(self, events: list) -> None:
+        self._called_any = True
+        events.append(("call_done", ParsedCall(self._streamed.name, self._streamed.text)))
 
     def _called(self, events: list, calls: list[ParsedCall]) -> None:
         self._called_any = True
@@ -233,24 +208,7 @@ class Llama3JsonCallStream(WholeAnswerCallStream):
 
     @staticmethod
     def calls(text: str) -> list[ParsedCall] | None:
-        return _json_calls(text.strip().removeprefix(PYTHON_TAG).lstrip())
-
-
-def _json_calls(text: str) -> list[ParsedCall] | None:
-    """`{...}; {...}` (or JSON lists of such objects) as calls; None unless every part is a call object."""
-    decoder, calls, at = json.JSONDecoder(), [], 0
-    while at < len(text):
-        try:
-            item, at = decoder.raw_decode(text, at)
-        except ValueError:
-            return None
-        found = _call_items(item if isinstance(item, list) else [item])
-        if found is None:
-            return None
-        calls += found
-        while at < len(text) and (text[at].isspace() or text[at] == ";"):
-            at += 1
-    return calls or None
+        return json_calls(text.strip().removeprefix(PYTHON_TAG).lstrip())
 
 
 class MistralCallStream:
@@ -298,17 +256,17 @@ def mistral_calls(text: str) -> list[ParsedCall] | None:
     for part in text.split(TOOL_CALLS)[1:]:
         part = part.strip()
         if part.startswith(("[", "{")):
-            found = _json_calls(part)
+            found = json_calls(part)
         else:
             name, _, arguments = part.partition("{")
             name = name.replace(ARGS, "").split(CALL_ID)[0].strip()
             found = None
-            if _FUNCTION_NAME.fullmatch(name) and arguments:
+            if FUNCTION_NAME.fullmatch(name) and arguments:
                 try:
                     value = json.loads("{" + arguments)
                 except ValueError:
                     value = None
-                found = _call_items([{"name": name, "arguments": value}]) if isinstance(value, dict) else None
+                found = call_items([{"name": name, "arguments": value}]) if isinstance(value, dict) else None
         if found is None:
             return None
         calls += found
@@ -339,7 +297,7 @@ def pythonic_calls(text: str) -> list[ParsedCall] | None:
     calls = []
     for node in tree.elts:
         if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                and all(k.arg is not None for k in node.keywords) and _FUNCTION_NAME.fullmatch(node.func.id)):
+                and all(k.arg is not None for k in node.keywords) and FUNCTION_NAME.fullmatch(node.func.id)):
             return None
         try:
             arguments = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
@@ -351,11 +309,11 @@ def pythonic_calls(text: str) -> list[ParsedCall] | None:
 
 def _glm_calls(body: str) -> list[ParsedCall] | None:
     """A block's calls as Hermes reads them, else GLM-4.5's one call."""
-    calls = _calls(body)
+    calls = block_calls(body)
     if calls is not None:
         return calls
     found = glm_calls(body)
-    return None if found is None else _text_valued(found)
+    return None if found is None else text_valued(found)
 
 
 class GlmCallStream(HermesCallStream):
@@ -375,13 +333,19 @@ def call_stream(fmt: str):
     return STREAMS[fmt]()
 
 
-def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
-    """(content, calls) of a finished output, as the stream splits it; content None when empty."""
+def read(fmt: str, text: str) -> tuple[str | None, list[ParsedCall], bool]:
+    """(content, calls, whether the output ended inside a call's arguments) of a finished output, as
+    the stream splits it; content None when empty."""
     stream = call_stream(fmt)
     events = stream.feed(text) + stream.finish()
     content = "".join(value for kind, value in events if kind == "content")
-    calls = [value for kind, value in events if kind == "call"]
-    return (content or None), calls
+    calls = [value for kind, value in events if kind in ("call", "call_done")]
+    return (content or None), calls, getattr(stream, "cut_call", False)
+
+
+def parse(fmt: str, text: str) -> tuple[str | None, list[ParsedCall]]:
+    """(content, calls) of a finished output, as the stream splits it; content None when empty."""
+    return read(fmt, text)[:2]
 
 
 def partial_tag(text: str, tag: str = OPEN) -> int:

@@ -18,7 +18,8 @@ or streamed as deltas.
   blocks; Llama 3.1-3.3's JSON calls; Mistral's `[TOOL_CALLS]`; vLLM's `--enable-auto-tool-choice
   --tool-call-parser hermes|glm45|llama3_json|mistral`, found here
   from the served chat template; pythonic calls where the operator sets that parser). Text around
-  the calls is the content; with parallel_tool_calls false only the first call counts. Refused
+  the calls is the content; with parallel_tool_calls false only the first call counts. A Hermes
+  call streams its name, then its arguments as written (call_arguments.py). Refused
   where the template shows no format (SmolLM2's): nothing to parse.
   "none" generates text as usual.
 All finish with finish_reason "tool_calls" when they called. A forced call that max_tokens cut short
@@ -45,7 +46,7 @@ from .engine_requests import Draft, response_format_constraint
 from .openai_requests import ChatCompletionRequest, FunctionCall, ToolCall, constraint_fields
 from .openai_responses import ChatChoice, ChatDelta, ChatMessage, FunctionCallDelta, ToolCallDelta, Usage
 from .required_calls import RequiredCallStream
-from .tool_parsers import MISTRAL, call_stream, parse
+from .tool_parsers import MISTRAL, call_stream, read
 from .xml_tool_calls import typed_arguments
 
 _NO_ARGUMENTS = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -234,6 +235,7 @@ class ToolCallFormat:
         self.call_ids: dict[int, str] = {}  # per choice: the id of its one call (plan.name)
         self.streams: dict[int, object] = {}  # per choice: its output, split (tool_parsers; 'required': required_calls)
         self.calls_sent: dict[int, int] = {}  # per choice under 'auto': calls streamed so far
+        self.writing: dict[int, int | None] = {}  # per choice under 'auto': the call being streamed (None: skipped)
 
     def call_id(self, index: int) -> str:
         return self.call_ids.setdefault(index, _call_id(self.plan))
@@ -279,19 +281,38 @@ class ToolCallFormat:
         for kind, value in events:
             if kind == "content":
                 chunks.append(self._chunk(index, ChatDelta(content=value), items=items))
-            elif self.plan.parallel or not self.calls_sent.get(index):
-                number = self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
+            elif kind == "call_name":  # a call being written: its name now, its arguments as they come
+                number = self.writing[index] = self._next_call(index)
+                if number is not None:
+                    chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+                        index=number, id=_call_id(self.plan), type="function",
+                        function=FunctionCallDelta(name=value, arguments=""))]), items=items))
+            elif kind == "call_arguments":
+                if self.writing.get(index) is not None:
+                    chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
+                        index=self.writing[index], function=FunctionCallDelta(arguments=value))]), items=items))
+            elif kind == "call_done":
+                self.writing.pop(index, None)
+            elif (number := self._next_call(index)) is not None:  # a call read whole (XML, lists, other formats)
                 chunks.append(self._chunk(index, ChatDelta(tool_calls=[ToolCallDelta(
-                    index=number - 1, id=_call_id(self.plan), type="function",
+                    index=number, id=_call_id(self.plan), type="function",
                     function=FunctionCallDelta(name=value.name, arguments=self.plan.arguments(value)))]), items=items))
             items = None  # a piece's logprobs go out once, with its first chunk
         return chunks
 
+    def _next_call(self, index: int) -> int | None:
+        """The index of the choice's next call, or None where only its first call counts."""
+        if not self.plan.parallel and self.calls_sent.get(index):
+            return None
+        self.calls_sent[index] = self.calls_sent.get(index, 0) + 1
+        return self.calls_sent[index] - 1
+
     def finish(self, index: int, finish_reason: str | None) -> list[BaseModel]:
         if self.plan.format is not None:
-            chunks = self._split(index, self._stream(index).finish())
-            called = self.calls_sent.get(index, 0) > 0
-            return chunks + [self._chunk(index, ChatDelta(), "tool_calls" if called else finish_reason)]
+            stream = self._stream(index)
+            chunks = self._split(index, stream.finish())
+            return chunks + [self._chunk(index, ChatDelta(), _auto_finish(
+                self.calls_sent.get(index, 0) > 0, getattr(stream, "cut_call", False), finish_reason))]
         text = "".join(self.pieces.get(index, []))
         complete = parse_calls(self.plan, text)[1]
         return [self._chunk(index, ChatDelta(), "tool_calls" if complete else finish_reason)]
@@ -302,7 +323,7 @@ class ToolCallFormat:
     def choice(self, index: int, text: str, finish_reason: str | None, items=None) -> ChatChoice:
         choice = self.chat_format.choice(index, text, finish_reason, items)
         if self.plan.format is not None:  # 'auto': calls and the text around them, read once
-            content, parsed = parse(self.plan.format, text)
+            content, parsed, cut = read(self.plan.format, text)
             calls = [ToolCall(id=_call_id(self.plan),
                               function=FunctionCall(name=c.name, arguments=self.plan.arguments(c)))
                      for c in (parsed if self.plan.parallel else parsed[:1])] or None
@@ -316,7 +337,15 @@ class ToolCallFormat:
         if calls is None:
             return choice
         return choice.model_copy(update={"message": ChatMessage(content=content, tool_calls=calls),
-                                         "finish_reason": "tool_calls"})
+                                         "finish_reason": _auto_finish(True, cut, finish_reason)})
 
     def full(self, choices: list, usage: Usage) -> BaseModel:
         return self.chat_format.full(choices, usage)
+
+
+def _auto_finish(called: bool, cut_call: bool, finish_reason: str | None) -> str | None:
+    """An 'auto' choice's finish: "tool_calls" when it called, unless max_tokens cut its last call's
+    arguments short ("length": they are as far as they were written)."""
+    if cut_call and finish_reason == "length":
+        return "length"
+    return "tool_calls" if called else finish_reason
