@@ -7,12 +7,16 @@ Workers loop until the deadline, each iteration one of (weights in MIX):
   disconnect  a long stream the client drops after a few events            -> 200, then gone
   bad         a hostile or malformed request (BAD_INPUTS)                  -> its declared 4xx
   burst       BURST requests at once, past the engines' queue bound        -> 200 or a declared 503
-A declared 503 is OpenAI-shaped with code service_unavailable and a Retry-After header; any other
-5xx is a failure, as is a bad input answered with another status. After the load the script waits
-for the engines to go idle and reads every replica's KV blocks in use (must be 0) and resident
-memory (before and after). Exit status 1 if anything failed.
+With --kill-every-s, a fault thread also kills an engine replica (kill -9 of its process) that
+often; Serve replaces it. A declared 503 is OpenAI-shaped with code service_unavailable and a
+Retry-After header; any other 5xx is a failure, as is a bad input answered with another status.
+Every stream must end with its last chunk and [DONE], or with the error event then [DONE]: one that
+stops otherwise (a broken read, no [DONE]) is a silent truncation, as is a dropped connection. After
+the load the script waits for the engines to go idle and reads every replica's KV blocks in use
+(must be 0) and resident memory (before and after). Exit status 1 if anything failed.
 
     python benchmarks/soak.py --start --duration-s 300          # starts Ray + the app (CPU) itself
+    python benchmarks/soak.py --start --duration-s 600 --kill-every-s 60 --app-args '{"min_replicas": 2, "max_replicas": 2}'
     python benchmarks/soak.py --url http://127.0.0.1:8000 --duration-s 600 --api-key $PONYTAIL_API_KEY
 """
 
@@ -22,7 +26,9 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -75,9 +81,12 @@ class SoakResult:
     requests: int = 0
     served: int = 0  # 2xx
     declared_503: int = 0
+    failed_explicitly: int = 0  # streams ended by the error event, then [DONE]
+    silent_truncations: int = 0  # must be 0: streams that stopped without either ending, dropped connections
     unexpected_5xx: int = 0  # must be 0
     bad_input_mismatches: list[str] = field(default_factory=list)  # must be empty
     disconnects: int = 0
+    replica_kills: int = 0
     statuses: dict[str, int] = field(default_factory=dict)
     leaked_blocks: int | None = None  # KV blocks still in use once idle: must be 0
     replica_rss_before: dict[str, int] = field(default_factory=dict)
@@ -85,7 +94,8 @@ class SoakResult:
 
     @property
     def ok(self) -> bool:
-        return self.unexpected_5xx == 0 and not self.bad_input_mismatches and self.leaked_blocks == 0
+        return (self.unexpected_5xx == 0 and self.silent_truncations == 0 and not self.bad_input_mismatches
+                and self.leaked_blocks == 0)
 
 
 class Soak:
@@ -100,6 +110,8 @@ class Soak:
         self.unexpected: list[str] = []
         self.mismatches: list[str] = []
         self.disconnects = 0
+        self.failed_explicitly = 0
+        self.silent: list[str] = []
 
     def record(self, response, what: str) -> int:
         status = response.status_code
@@ -118,7 +130,25 @@ class Soak:
         actions, weights = zip(*MIX.items())
         with httpx.Client(base_url=self.url, headers=self.headers, timeout=120) as client:
             while time.monotonic() < self.deadline:
-                getattr(self, rng.choices(actions, weights)[0])(client, rng)
+                action = rng.choices(actions, weights)[0]
+                try:
+                    getattr(self, action)(client, rng)
+                except httpx.TransportError as exc:  # the connection dropped: no answer, no ending
+                    with self.lock:
+                        self.silent.append(f"{action}: {type(exc).__name__}: {exc}")
+
+    def ending(self, lines: list[str], what: str, cut_short: bool = False) -> None:
+        """Checks a stream's data lines: its last chunk then [DONE], or the declared error then [DONE]
+        (a replica that stopped); a stream the client left early (`cut_short`) may end anywhere."""
+        error = next((line for line in lines if line.startswith('data: {"error"')), None)
+        with self.lock:
+            if error is not None:
+                if lines[-2:] == [error, "data: [DONE]"] and '"code":"service_unavailable"' in error:
+                    self.failed_explicitly += 1
+                else:
+                    self.unexpected.append(f"{what}: an error other than a stopped replica's: {lines[-2:]}")
+            elif not cut_short and (not lines or lines[-1] != "data: [DONE]"):
+                self.silent.append(f"{what} ended without [DONE] or an error: {lines[-2:]}")
 
     def ok(self, client, rng) -> None:
         stream = rng.random() < 0.5
@@ -140,20 +170,20 @@ class Soak:
             return
         with client.stream("POST", path, json=body) as response:
             if self.record(response, "ok stream") == 200:
-                lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-                if not lines or lines[-1] != "data: [DONE]" or any('"error"' in line for line in lines):
-                    with self.lock:
-                        self.unexpected.append(f"ok stream ended without [DONE] or with an error: {lines[-2:]}")
+                self.ending([line for line in response.iter_lines() if line.startswith("data: ")], "ok stream")
 
     def disconnect(self, client, rng) -> None:
         body = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
                 "stream": True}
         with client.stream("POST", "/v1/completions", json=body) as response:
             if self.record(response, "disconnect") == 200:
-                keep = rng.randint(1, 8)
-                for index, _ in enumerate(response.iter_lines()):
-                    if index >= keep:
+                keep, lines = rng.randint(1, 8), []
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                    if len(lines) >= keep:
                         break
+                self.ending(lines, "disconnect", cut_short=len(lines) >= keep)
                 with self.lock:
                     self.disconnects += 1
         # leaving the with-block closes the connection mid-stream
@@ -173,6 +203,21 @@ class Soak:
         body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16}
         with concurrent.futures.ThreadPoolExecutor(max_workers=BURST) as pool:
             list(pool.map(lambda _: self.record(client.post("/v1/completions", json=body), "burst"), range(BURST)))
+
+
+def kill_replicas(every_s: float, deadline: float, seed: int, kills: list[str]) -> None:
+    """Until the deadline, every `every_s` seconds: kill -9 the process of a running engine replica."""
+    import ray
+
+    rng = random.Random(seed)
+    while time.monotonic() + every_s < deadline:
+        time.sleep(every_s)
+        names = sorted(_engine_reports())
+        victim = ray.get_actor(rng.choice(names), namespace="serve")
+        pid = ray.get(victim.__ray_call__.remote(lambda replica: os.getpid()), timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        kills.append(f"{time.monotonic():.0f}: {pid}")
+        print(f"killed an engine replica (pid {pid}) of {len(names)}", flush=True)
 
 
 def _declared_503(response) -> bool:
@@ -212,12 +257,13 @@ def replica_memory() -> dict[str, int]:
             for name in _engine_reports()}
 
 
-def leaked_blocks(idle_timeout_s: float = 60) -> int:
-    """KV blocks in use once every replica is idle (or at the timeout)."""
+def leaked_blocks(replicas: int, idle_timeout_s: float = 300) -> int:
+    """KV blocks in use once all `replicas` run again (killed ones replaced) and are idle (or at the timeout)."""
     deadline = time.monotonic() + idle_timeout_s
     while True:
-        stats = [r.stats for r in _engine_reports().values()]
-        idle = all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
+        reports = _engine_reports()
+        stats = [r.stats for r in reports.values()]
+        idle = len(reports) >= replicas and all(s.num_running == 0 and s.num_waiting == 0 for s in stats)
         if idle or time.monotonic() > deadline:
             return sum(s.used_blocks for s in stats)
         time.sleep(0.5)
@@ -232,6 +278,7 @@ def started_app(args_json: str):
     from ray import serve
 
     from deployments.app.builder import build
+    from deployments.app.stream_closer import controller_options
     from serve_args import nested
 
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
@@ -239,7 +286,7 @@ def started_app(args_json: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options())
         app_args = {"device": "cpu", "kv_cache_memory": "256MiB", "max_num_seqs": 8, "max_model_len": 2048,
                     "max_queued_requests": 8, "min_replicas": 1, "max_replicas": 1, **json.loads(args_json)}
         serve.run(build(nested(app_args)), name="ponytail", route_prefix="/")
@@ -249,27 +296,36 @@ def started_app(args_json: str):
         ray.shutdown()
 
 
-def run(url: str, api_key: str | None, duration_s: float, workers: int, seed: int) -> SoakResult:
+def run(url: str, api_key: str | None, duration_s: float, workers: int, seed: int,
+        kill_every_s: float = 0) -> SoakResult:
     import ray
 
     if not ray.is_initialized():
         ray.init(address="auto", log_to_driver=False)
     result = SoakResult(duration_s=duration_s)
     result.replica_rss_before = replica_memory()
+    replicas = len(result.replica_rss_before)
     soak = Soak(url, api_key, time.monotonic() + duration_s, seed)
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        for future in [pool.submit(soak.worker, i) for i in range(workers)]:
+    kills: list[str] = []
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers + 1) as pool:
+        futures = [pool.submit(soak.worker, i) for i in range(workers)]
+        if kill_every_s > 0:
+            futures.append(pool.submit(kill_replicas, kill_every_s, soak.deadline, seed, kills))
+        for future in futures:
             future.result()
     result.requests = sum(soak.statuses.values())
     result.served = sum(n for status, n in soak.statuses.items() if 200 <= status < 300)
     result.declared_503 = soak.declared_503
     result.unexpected_5xx = len(soak.unexpected)
+    result.failed_explicitly = soak.failed_explicitly
+    result.silent_truncations = len(soak.silent)
+    result.replica_kills = len(kills)
     result.bad_input_mismatches = soak.mismatches
     result.disconnects = soak.disconnects
     result.statuses = {str(k): v for k, v in sorted(soak.statuses.items())}
-    result.leaked_blocks = leaked_blocks()
+    result.leaked_blocks = leaked_blocks(replicas)
     result.replica_rss_after = replica_memory()
-    for line in soak.unexpected[:10]:
+    for line in soak.unexpected[:10] + soak.silent[:10]:
         print("unexpected:", line)
     return result
 
@@ -277,7 +333,11 @@ def run(url: str, api_key: str | None, duration_s: float, workers: int, seed: in
 def report(result: SoakResult) -> None:
     mib = lambda d: ", ".join(f"{v / 2**20:.0f} MiB" for v in d.values()) or "?"  # noqa: E731
     print(f"{result.duration_s:.0f} s: {result.requests} requests, {result.served} served, "
-          f"{result.declared_503} declared 503s, {result.disconnects} client disconnects; statuses {result.statuses}")
+          f"{result.declared_503} declared 503s, {result.disconnects} client disconnects, "
+          f"{result.replica_kills} replicas killed; statuses {result.statuses}")
+    print(f"streams ended by the declared error event and [DONE]: {result.failed_explicitly}")
+    print(f"silent truncations (a stream or connection that stopped without an ending): "
+          f"{result.silent_truncations} (must be 0)")
     print(f"5xx other than declared 503s: {result.unexpected_5xx} (must be 0)")
     print(f"bad inputs answered otherwise than declared: {len(result.bad_input_mismatches)} (must be 0) "
           f"{result.bad_input_mismatches[:3]}")
@@ -294,16 +354,18 @@ def main(argv=None) -> int:
     parser.add_argument("--duration-s", type=float, default=300.0)
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kill-every-s", type=float, default=0.0,
+                        help="kill -9 an engine replica this often during the load (default: 0, never)")
     parser.add_argument("--json", type=Path, default=None, help="write the result here")
     args = parser.parse_args(argv)
     if args.duration_s <= 0 or args.workers < 1:
         parser.error("--duration-s must be > 0 and --workers >= 1")
     if args.start:
         with started_app(args.app_args) as (url, key):
-            result = run(url, args.api_key or key, args.duration_s, args.workers, args.seed)
+            result = run(url, args.api_key or key, args.duration_s, args.workers, args.seed, args.kill_every_s)
     else:
         _check_loopback(args.url)
-        result = run(args.url, args.api_key, args.duration_s, args.workers, args.seed)
+        result = run(args.url, args.api_key, args.duration_s, args.workers, args.seed, args.kill_every_s)
     report(result)
     if args.json is not None:
         args.json.write_text(json.dumps({**asdict(result), "ok": result.ok}, indent=2))

@@ -10,8 +10,9 @@
 # 3. STEPS (default "suite bench"): the whole `pytest -m gpu` suite, and, once vLLM's parts are in
 #    /tmp/parts (waits VLLM_WAIT_S), bench_engine with BENCH_ARGS for PEERS (default ponytail,vllm); also
 #    `attn` (bench_attention's decode against FlashAttention-3, ATTN_ARGS) and `e2e` (serve_side_by_side:
-#    serve run against vllm serve); SUITE_TESTS narrows the suite. A second run on the same machine
-#    skips what the first built.
+#    serve run against vllm serve) and `soak` (benchmarks/soak.py with engine replicas killed under load:
+#    two replicas of SOAK_MODEL sharing the card, SOAK_S seconds, one killed every SOAK_KILL_S);
+#    SUITE_TESTS narrows the suite. A second run on the same machine skips what the first built.
 # Everything it writes goes to /tmp/res (poll.sh tars it into $OUT); /tmp/res/<step>.done marks each step.
 set -uo pipefail
 RES=/tmp/res; mkdir -p "$RES"; rm -f "$RES"/*.done
@@ -48,12 +49,24 @@ git log --oneline -1 > "$RES/tree.txt" 2>/dev/null; git status --short >> "$RES/
 log "site unpacked; $(head -2 "$RES/gpu.txt" | tail -1)"
 # A second lease.sh on the same machine (other STEPS) keeps what the first one built.
 # The tests build their own models: only the benchmarks read the random checkpoints.
-needs_models=0; for step in $STEPS; do case $step in attn|suite) ;; *) needs_models=1 ;; esac; done
-if [ "$needs_models" = 1 ] && [ ! -f /tmp/ponytail-7b-random/config.json ]; then
+SOAK_MODEL=${SOAK_MODEL:-/tmp/ponytail-7b-random}
+needs_models=0; needs_7b=0
+for step in $STEPS; do
+  case $step in
+    attn|suite) ;;
+    e2e) needs_models=1 ;;
+    soak) needs_models=1; [ "$SOAK_MODEL" = /tmp/ponytail-7b-random ] && needs_7b=1 ;;
+    *) needs_models=1; needs_7b=1 ;;
+  esac
+done
+if [ "$needs_models" = 1 ] && [ ! -f /tmp/ponytail-smollm2-random/config.json ]; then
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-smollm2-random > "$RES/ckpt.log" 2>&1
+  log "135M checkpoint built (rc $?)"
+fi
+if [ "$needs_7b" = 1 ] && [ ! -f /tmp/ponytail-7b-random/config.json ]; then
   python3 benchmarks/random_checkpoint.py build .gpu/smollm2-files /tmp/ponytail-7b-random --shape 7b \
     --device cuda >> "$RES/ckpt.log" 2>&1
-  log "checkpoints built (rc $?)"
+  log "7B checkpoint built (rc $?)"
 fi
 
 if [ -d /tmp/fa4site/flash_attn ]; then
@@ -105,6 +118,13 @@ for step in $STEPS; do
       python3 benchmarks/serve_side_by_side.py --model /tmp/ponytail-smollm2-random --servers ponytail,vllm \
         --vllm-python "$(command -v python3)" --vllm-pythonpath "$VP" --json "$RES/side.json" > "$RES/side.log" 2>&1
       log "e2e: rc $?" ;;
+    soak)  # engine replicas killed under mixed load; served as the soak's requests name the model
+      python3 benchmarks/soak.py --start --duration-s "${SOAK_S:-600}" --kill-every-s "${SOAK_KILL_S:-60}" \
+        --workers 8 --json "$RES/soak.json" --app-args "{\"model\": \"$SOAK_MODEL\", \"device\": \"cuda\",
+        \"served_model_name\": \"SmolLM2-135M-Instruct\", \"num_gpus\": 0.5, \"kv_cache_memory\": \"8GiB\",
+        \"max_num_seqs\": 64, \"max_model_len\": 4096, \"min_replicas\": 2, \"max_replicas\": 2}" \
+        > "$RES/soak.log" 2>&1
+      log "soak: rc $? $(grep -E 'silent truncations|5xx other' "$RES/soak.log" | tr '\n' ' ')" ;;
     *) log "unknown step $step" ;;
   esac
   touch "$RES/$step.done"
