@@ -71,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from ray import serve
 
     from deployments.app.builder import build
+    from deployments.app.stream_closer import controller_options
 
     attached = args.address is not None or bool(os.environ.get("RAY_ADDRESS"))
     ray.init(address=args.address)
@@ -81,7 +82,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.name in running.applications:  # serve.run would replace it, and we would delete it
             raise ConfigError(f"--name={args.name!r}: the cluster already runs an application of that "
                               "name; allowed: another --name, or stop that one first")
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(http_options={"host": args.host, "port": args.port}, controller_options=controller_options())
         where = (f"http://{args.host}:{args.port}/v1" if not running.proxies else
                  "the HTTP address of the Serve already running there (--host/--port apply only to a "
                  "Serve this command starts)")
@@ -100,11 +101,12 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         # Ctrl-C reaches the whole foreground group: a second one must not cut the cleanup short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        if attached:  # not our cluster: take only our application off it
-            if deployed:
-                serve.delete(args.name)
-        else:
-            serve.shutdown()
+        if deployed:  # the app first, with the proxies still up: its replicas finish their streams for
+            # shutdown_timeout_s, and the proxies end the ones still open with an error event
+            print(f"ponytail: open requests finish for up to {settings.shutdown_timeout_s:g} s", flush=True)
+            serve.delete(args.name)
+        if not attached:  # our own cluster: stopping Ray stops Serve with it (serve.shutdown would kill the
+            # proxies at once, cutting the streams, were the app still there)
             ray.shutdown()
     print("ponytail: stopped", flush=True)
     return 0

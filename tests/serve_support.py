@@ -9,6 +9,7 @@ from ray import serve
 
 from deployments.app.builder import build
 from deployments.app.reports import replica_reports
+from deployments.app.stream_closer import controller_options
 from ponytail.config import field_owners
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -36,7 +37,7 @@ def running_app(**args):
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)  # logical CPUs: fits a 2-core CI
     port = free_port()  # after Ray's own processes took their ports
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.start(http_options={"host": "127.0.0.1", "port": port}, controller_options=controller_options())
         serve.run(build(app_args(**args)), name="ponytail", route_prefix="/")
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=120,
                             max_retries=0), port

@@ -3,8 +3,10 @@ the OpenAI client over HTTP, a Serve handle, bad input, disconnects. Loopback on
 their engines in child processes (engine_process, the GPU default), so this path is tested here;
 the other Serve tests keep the CPU default (the engine in the replica's process)."""
 
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -132,6 +134,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(app):
             break
     stream.close()
     wait_until_idle()
+
+
+def test_a_client_that_stops_reading_holds_only_its_own_request(app):
+    """A stalled reader (its socket's buffers fill): others are served meanwhile; when it goes
+    away its request is aborted and its blocks freed."""
+    client, port = app
+    with socket.create_connection(("127.0.0.1", port)) as stalled:
+        stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True,
+                           "stream": True, "logprobs": 5}).encode()  # big events: the buffers fill quickly
+        stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert stalled.recv(64).startswith(b"HTTP/1.1 200")  # then reads nothing more
+        for _ in range(3):
+            answer = client.completions.create(model=MODEL, prompt="Hello", max_tokens=8)
+            assert answer.choices[0].finish_reason == "length"
+        assert sum(s.num_running for s in replica_stats().values()) == 1  # the stalled one, still there
+    wait_until_idle(60)  # gone: aborted, its blocks back
 
 
 def _has(module: str) -> bool:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -15,6 +16,11 @@ import pytest
 
 pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
+
+try:
+    import httpx2 as httpx  # the HTTP library openai>=3 depends on
+except ImportError:  # pragma: no cover - older openai clients use httpx
+    import httpx
 
 from deployments.app.args import AppArgs  # noqa: E402
 from hub_cache import HUB_ID, REVISION, build_hub_cache, offline_env  # noqa: E402
@@ -97,6 +103,17 @@ def _as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def _stream_chat(port: int, events: list, opened: threading.Event) -> None:
+    """A long streamed chat: each event's data and when it came into `events` ([DONE]'s time: None)."""
+    body = {"model": MODEL, "messages": README_QUESTION, "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append((data, None if data == "[DONE]" else time.monotonic()))
+                opened.set()
+
+
 def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -110,12 +127,12 @@ def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float) -
 
 
 @pytest.mark.network  # the default model
-def test_ponytail_serve_answers_the_readme_example_and_stops_on_ctrl_c(default_model, tmp_path):
+def test_ponytail_serve_answers_the_readme_example_and_ctrl_c_ends_open_streams_after_the_timeout(default_model, tmp_path):
     port = free_port()
     log = tmp_path / "serve.log"
     with log.open("w") as out:  # a file, not a pipe: Ray's logs must never block the server
         process = subprocess.Popen([sys.executable, "-m", "ponytail.cli", "serve", "--port", str(port),
-                                    "--replicas", "1"], stdout=out, stderr=subprocess.STDOUT,
+                                    "--replicas", "1", "--shutdown-timeout-s", "3"], stdout=out, stderr=subprocess.STDOUT,
                                    start_new_session=True, preexec_fn=_as_in_a_terminal, cwd=tmp_path)
     try:
         content = _wait_for(log, "Ctrl-C stops it", process, timeout=300)
@@ -126,11 +143,26 @@ def test_ponytail_serve_answers_the_readme_example_and_stops_on_ctrl_c(default_m
         chat = client.chat.completions.create(model=MODEL, temperature=0, messages=README_QUESTION)
         assert chat.choices[0].message.content == "The capital of France is Paris."  # as README says
 
+        streams = [([], threading.Event()) for _ in range(3)]  # long answers, still streaming at Ctrl-C
+        readers = [threading.Thread(target=_stream_chat, args=(port, *stream)) for stream in streams]
+        for reader in readers:
+            reader.start()
+        for _, opened in streams:
+            assert opened.wait(120)
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C in a terminal sends: the whole group
+        interrupted = time.monotonic()
+        for reader in readers:
+            reader.join(120)
         assert process.wait(timeout=120) == 0
+        for events, _ in streams:  # each streamed on for --shutdown-timeout-s, then ended explicitly
+            assert events[-1] == ("[DONE]", None) and events[-2][1] >= interrupted + 3
+            assert json.loads(events[-2][0])["error"]["code"] == "service_unavailable"
+            assert all(json.loads(data)["choices"][0]["finish_reason"] is None for data, _ in events[:-2])
         content = log.read_text(errors="replace")
         assert "ponytail: stopping" in content and "ponytail: stopped" in content
+        assert "open requests finish for up to 3 s" in content
         assert "Traceback" not in content.split("ponytail: stopping")[1]
+        assert "graceful_shutdown failed" not in content
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)

@@ -51,6 +51,8 @@ def usage(chat_usage) -> dict[str, int]:
 class MessagesShape:
     """Turns one chat request's answer into the Messages API's (generate.py calls it)."""
 
+    stream_dialect = "anthropic"  # cut_streams.py: how a stream cut short is ended
+
     def __init__(self, req: MessagesRequest, chat: MessagesChatRequest):
         self.req = req
         self.chat = chat

@@ -28,6 +28,7 @@ from ponytail import ConfigError
 from . import anthropic_api, anthropic_protocol, responses_protocol
 from .api_metrics import ApiMetrics
 from .context import ApiContext
+from .cut_streams import STREAM_HEADER
 from .engine_requests import set_beam_search, to_drafts
 from .errors import APIError, ClientGone, api_error, model_not_found, parsed
 from .formats import (ChatFormat, CompletionFormat, add_prompt_logprobs, add_token_ids, echoed, piece,
@@ -133,7 +134,9 @@ async def generate(ctx: ApiContext, request: Request,
                                  lambda lasts: _record(metrics, lasts, started))
                 streaming = True
                 sse = as_sse(events) if shape is None else as_sse(shape.events(events), done=False)
-                return EventStream(sse, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
+                dialect = "openai" if shape is None else shape.stream_dialect  # how a cut stream is ended
+                return EventStream(sse, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+                                                 STREAM_HEADER: dialect, **headers})
             results = await unless_disconnected(request, all_or_none(
                 _collect(g, first) for g, first in zip(generations, firsts)))
         finally:

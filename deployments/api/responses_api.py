@@ -32,6 +32,8 @@ def _item_id(prefix: str) -> str:
 class ResponsesShape:
     """Turns one chat request's answer into the Responses API's (generate.py calls it)."""
 
+    stream_dialect = "responses"  # cut_streams.py: how a stream cut short is ended
+
     def __init__(self, req: ResponsesRequest, chat: ResponsesChatRequest):
         self.req = req
         self.chat = chat

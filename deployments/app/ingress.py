@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from deployments.api.cut_streams import REPLICA_STOPPED
 from deployments.api.errors import BackendUnavailable
 from deployments.api.http_guard import AccessPolicy
 from deployments.api.limits import RequestLimits
@@ -63,9 +64,7 @@ class OpenAIIngress:
         except RayActorError as exc:  # shutdown (engines stop before the ingress) or a failed replica
             finished = True  # its actor is gone: nothing to cancel
             logger.warning("request %s: its engine replica stopped: %s", request.request_id, exc)
-            raise BackendUnavailable("the engine replica serving this request stopped (the server is shutting "
-                                     "down or the replica failed); retry later",
-                                     retry_after_s=self.retry_after_s) from None
+            raise BackendUnavailable(REPLICA_STOPPED, retry_after_s=self.retry_after_s) from None
         finally:
             self._streams.pop(request.request_id, None)
             if not finished:  # the consumer left early: cancelling aborts it on the replica
