@@ -250,11 +250,17 @@ def _rss(_replica) -> int:
 
 
 def replica_memory() -> dict[str, int]:
-    """Resident bytes of each engine replica's process, by actor name (asked inside the actor)."""
+    """Resident bytes of each engine replica's process, by actor name (asked inside the actor);
+    0 each where psutil is not installed (a bare GPU machine's bundle)."""
+    import importlib.util
+
     import ray
 
+    reports = _engine_reports()
+    if importlib.util.find_spec("psutil") is None:
+        return dict.fromkeys(reports, 0)
     return {name: ray.get(ray.get_actor(name, namespace="serve").__ray_call__.remote(_rss), timeout=60)
-            for name in _engine_reports()}
+            for name in reports}
 
 
 def leaked_blocks(replicas: int, idle_timeout_s: float = 300) -> int:
