@@ -45,6 +45,7 @@ def http(guarded):
         yield client
 
 
+@pytest.mark.chaos
 def test_api_key_is_required_on_every_route_but_health(guarded, http):
     backend, url = guarded
     with httpx.Client(base_url=url, timeout=5) as anonymous:
@@ -112,6 +113,7 @@ def test_without_a_key_only_this_machines_clients_are_served():
     assert _asgi_call(AccessPolicy(api_key=KEY), ("10.0.0.7", 5000))[0] == 401  # a key: anyone who has it
 
 
+@pytest.mark.chaos
 def test_a_body_that_trickles_in_gets_a_408_and_frees_the_connection():
     import socket
     import time
@@ -127,12 +129,14 @@ def test_a_body_that_trickles_in_gets_a_408_and_frees_the_connection():
         assert time.monotonic() - started < 5 and backend.requests == []
 
 
+@pytest.mark.chaos
 def test_every_post_route_has_the_body_limit(http, guarded):
     for path in ("/tokenize", "/detokenize", "/v1/messages/count_tokens", "/v1/responses", "/v1/messages"):
         r = http.post(path, content=b"x" * 20_000, headers={"Content-Type": "application/json"})
         assert r.status_code == 413, (path, r.text)
 
 
+@pytest.mark.chaos
 def test_json_nested_too_deeply_is_a_400_on_every_route(http, guarded):
     deep = b"[" * 100_000 + b"]" * 100_000
     with serving(RequestLimits(max_body_bytes=1 << 20)) as (_, url):
@@ -144,6 +148,7 @@ def test_json_nested_too_deeply_is_a_400_on_every_route(http, guarded):
                 assert "Traceback" not in r.text
 
 
+@pytest.mark.chaos
 def test_only_json_bodies_are_taken(http, guarded):
     r = http.post("/v1/completions", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"})
     error = assert_error(r, 415, None, "Content-Type 'text/plain' is not supported; allowed: application/json")
@@ -172,6 +177,7 @@ def test_configured_cors_origins_get_headers_and_others_do_not():
             assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
 
 
+@pytest.mark.chaos
 def test_a_body_over_the_limit_is_a_413_before_it_is_parsed(http, guarded):
     big = b'{"prompt": "' + b"a" * 20_000 + b'"}'
     r = http.post("/v1/completions", content=big, headers={"Content-Type": "application/json"})

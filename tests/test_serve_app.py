@@ -125,6 +125,7 @@ def test_malformed_json_is_a_400(app):
     assert response.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.chaos
 def test_a_client_that_leaves_mid_stream_frees_its_blocks(app):
     client, _ = app
     stream = client.completions.create(model=MODEL, prompt="Tell me a long story.", max_tokens=400, stream=True,
@@ -136,6 +137,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_blocks(app):
     wait_until_idle()
 
 
+@pytest.mark.chaos
 def test_a_client_that_stops_reading_holds_only_its_own_request(app):
     """A stalled reader (its socket's buffers fill): others are served meanwhile; when it goes
     away its request is aborted and its blocks freed."""

@@ -126,6 +126,7 @@ def _wait_for(log: Path, text: str, process: subprocess.Popen, timeout: float) -
     raise AssertionError(f"no {text!r} after {timeout} s:\n{log.read_text(errors='replace')[-4000:]}")
 
 
+@pytest.mark.chaos
 @pytest.mark.network  # the default model
 def test_ponytail_serve_answers_the_readme_example_and_ctrl_c_ends_open_streams_after_the_timeout(default_model, tmp_path):
     port = free_port()

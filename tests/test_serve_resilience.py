@@ -89,6 +89,7 @@ def read_stream(port: int, path: str, opened: threading.Event, events: list[str]
             opened.set()
 
 
+@pytest.mark.chaos
 def test_a_replica_killed_mid_stream_ends_every_stream_with_its_error_event(app):
     _, port = app
     # engine_process: the engine in a child process, as on GPUs; it must not outlive its replica

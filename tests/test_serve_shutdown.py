@@ -20,7 +20,7 @@ from ray import serve  # noqa: E402
 
 from serve_support import MODEL, running_app  # noqa: E402
 
-pytestmark = pytest.mark.network  # the default model
+pytestmark = [pytest.mark.network, pytest.mark.chaos]  # the default model
 
 
 def stream_while_deleting(port: int) -> tuple[list[str], Exception | None, float]:

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.network  # the default model
 
 
+@pytest.mark.chaos
 def test_a_short_soak_serves_refuses_and_leaks_nothing(tmp_path, default_model):
     out = tmp_path / "soak.json"
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--start", "--duration-s", "20",

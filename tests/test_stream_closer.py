@@ -10,6 +10,8 @@ import pytest
 from deployments.api.cut_streams import REPLICA_STOPPED, CutStream, unanswered
 from deployments.app.stream_closer import PROXY_CALLBACK, PROXY_CALLBACK_VARIABLE, StreamCloser, controller_options
 
+pytestmark = pytest.mark.chaos
+
 
 def dying_app(dialect: str | None, bodies: list[bytes], raises: bool = False, finish: bool = False):
     """An app that starts an event stream (marked with `dialect`), sends `bodies`, then stops."""
