@@ -583,7 +583,7 @@ def print_rounds(console, report: dict, workloads) -> None:
                 mine = results[engine][work.name]["rounds"]
                 line += (f"; {engine} / vllm {min(mine) / max(theirs):.3f}x to {max(mine) / min(theirs):.3f}x "
                          "over every pairing")
-        console.print(line)
+        console.print(line, soft_wrap=True)  # one line whatever its numbers' widths (never wrapped mid-phrase)
 
 
 def print_profiles(profiles: dict, names: list[str], top: int = 8) -> None:

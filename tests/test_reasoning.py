@@ -216,7 +216,8 @@ def test_a_tool_call_after_the_thought_is_read_as_a_call(served):
     reasoning, content, chunks = _streamed(client, messages=ASK, tools=[WEATHER])
     assert (reasoning, content) == ("I need the weather.", None)
     calls = [d for c in chunks for d in (c.choices[0].delta.tool_calls or [])]
-    assert [c.function.name for c in calls] == ["get_weather"]
+    assert [c.function.name for c in calls] == ["get_weather", None]  # the name, then the arguments as written
+    assert "".join(c.function.arguments for c in calls) == '{"city": "Paris"}'
 
 
 def test_earlier_reasoning_reaches_the_template_under_both_names(served):
