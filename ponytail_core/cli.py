@@ -77,6 +77,9 @@ def _build_parser() -> argparse.ArgumentParser:
     est.add_argument("--max-seq-len", type=int,
                      help="tokens per sequence (default with --model: max_position_embeddings)")
     est.add_argument("--block-size", type=int, default=16, help="tokens per block (default: 16)")
+    est.add_argument("--kv-cache-dtype", default="auto", metavar="DTYPE",
+                     help="how K/V are stored: auto (the model's dtype), fp8 or fp8_e4m3 (default: auto); the "
+                          "estimate also prints the other's capacity")
     est.add_argument("--gpu-memory", metavar="SIZE",
                      help='KV memory available ("80GB", "80GiB" or bytes): '
                           "how many full-length sequences fit")
@@ -117,6 +120,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             block_size=args.block_size,
             device="cpu",  # an estimate does not depend on this machine's devices
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         capacity = None
         if args.device_memory is not None:
@@ -137,6 +141,7 @@ def _run_estimate(args: argparse.Namespace) -> int:
             max_batch_size=args.max_batch_size,
             block_size=args.block_size,
             gpu_memory=args.gpu_memory,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     print(_render(estimate, as_json=args.json))
     return 0

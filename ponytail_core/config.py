@@ -22,6 +22,7 @@ from typing import Any
 from .attention.fa4 import PREFILL_ATTENTION
 from .errors import ConfigError
 from .kv.config import DEFAULT_BLOCK_SIZE
+from .utils.dtypes import resolve_kv_cache_dtype
 from .utils.units import is_seconds, parse_bytes
 
 POLICIES = ("fcfs", "priority")  # vLLM's scheduling policies
@@ -113,6 +114,12 @@ class KVCacheConfig:
     next turn finds its history); they go back with the spare memory after kv_release_after_s idle"""
     kv_release_after_s: float = 30.0
     """seconds the pool's spare memory is kept before it goes back to the device (0: at once)"""
+    kv_cache_dtype: str = "auto"
+    """how K/V are stored: auto (the model's dtype), fp8 or fp8_e4m3 (one byte an element, with a scale per
+    layer for K and for V: twice the tokens in the same memory; docs/fp8.md)"""
+    calculate_kv_scales: bool = False
+    """with FP8 and a checkpoint without k_scale/v_scale: take each layer's scales from the first prompt's K/V
+    (vLLM's rule: amax / 200 for K, amax / 100 for V) instead of 1.0"""
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory is not None:
@@ -128,6 +135,8 @@ class KVCacheConfig:
         _count(self, "block_size", optional=False)
         _strict_bool(self, "enable_prefix_caching")
         _strict_bool(self, "keep_prefix_cache")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
+        _strict_bool(self, "calculate_kv_scales")
         if not is_seconds(self.kv_release_after_s):
             raise ConfigError(f"kv_release_after_s={self.kv_release_after_s!r} is not supported; allowed: seconds "
                               ">= 0 (0: give spare KV memory back at once)")

@@ -15,6 +15,7 @@ from .errors import ConfigError
 from .models.chat_template import check_chat_template_options, render_chat
 from .engine.llm_engine import LLMEngine
 from .engine.stats import EngineStats
+from .models.kv_scales import set_kv_scales
 from .models.loader import load_model, load_tokenizer
 from .runner.compile import can_compile
 from .runner.fused_projections import can_fuse
@@ -25,6 +26,7 @@ from .kv.budget import kv_budget, step_headroom
 from .kv.paged_cache import PagedKVCache
 from .kv.prefix_events import PrefixEventLog
 from .sampling.params import SamplingParams
+from .utils.dtypes import dtype_name
 from .utils.units import format_bytes
 from .utils.arith import cdiv
 
@@ -75,7 +77,7 @@ class LLM:
         memory = kv_budget(cache_options.kv_cache_memory, device, cache_options.gpu_memory_utilization, headroom)
         shape = CacheConfig.from_model(model, max_batch_size=scheduler.max_num_seqs,
                                        max_seq_len=config.model.max_model_len, block_size=cache_options.block_size,
-                                       memory_budget=memory, device=device)
+                                       memory_budget=memory, device=device, kv_cache_dtype=cache_options.kv_cache_dtype)
         shape = dataclasses.replace(shape, chunk_blocks=growth_chunk_blocks(shape.max_num_blocks, POOL_CHUNKS))
         runner = dataclasses.replace(config.runner, prefill_attention=choose_prefill_attention(
             config.runner.prefill_attention, device, shape.dtype, shape.head_dim))
@@ -87,8 +89,11 @@ class LLM:
                              device_headroom_bytes=headroom, enable_prefix_caching=cache_options.enable_prefix_caching,
                              keep_prefixes=cache_options.keep_prefix_cache and cache_options.enable_prefix_caching)
         self.engine = LLMEngine(model, tokenizer, cache, config)
-        logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each) on %s", format_bytes(memory),
-                    shape.max_num_blocks, shape.block_size, format_bytes(shape.block_bytes), device)
+        if cache.storage.scales is not None:  # after the warm-up, whose dummy K/V must not set them
+            set_kv_scales(cache.storage.scales, model, calculate=cache_options.calculate_kv_scales)
+        logger.info("KV cache: %s for up to %d blocks of %d tokens (%s each, %s) on %s", format_bytes(memory),
+                    shape.max_num_blocks, shape.block_size, format_bytes(shape.block_bytes),
+                    dtype_name(shape.kv_dtype), device)
 
     @property
     def tokenizer(self):

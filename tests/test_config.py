@@ -224,7 +224,7 @@ def test_from_model_unknown_override(smol):
     assert str(err.value) == (
         "unknown override layers=2, max_tokens=5; allowed: num_layers, num_heads, num_kv_heads, "
         "head_dim, dtype, max_batch_size, max_seq_len, block_size, memory_budget, device, "
-        "chunk_blocks, defrag_threshold")
+        "chunk_blocks, defrag_threshold, kv_cache_dtype")
 
 
 def test_from_model_device_must_match(smol, two_gpus):

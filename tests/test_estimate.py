@@ -36,9 +36,17 @@ def test_gpu_memory_answers_concurrent_sequences():
     est = estimate_kv_cache(**LLAMA_7B, max_batch_size=1, max_seq_len=2048, gpu_memory="80GB")
     assert est.gpu_memory == 80 * 10**9
     assert est.max_concurrent_seqs == 80 * 10**9 // 2**30 == 74
-    assert est.summary().splitlines()[-1] == (
+    assert est.summary().splitlines()[-2] == (
         "  gpu memory:          80,000,000,000 bytes (80.0 GB, 74.5 GiB) holds 74 sequences "
         "of 2,048 tokens")
+    # FP8 beside it: one byte an element, twice the tokens in the same memory.
+    assert est.summary().splitlines()[-1] == (
+        "  kv_cache_dtype=fp8: 262,144 bytes (262.1 KB, 256.0 KiB) per token, 2.00x the tokens, "
+        "149 sequences in the same memory")
+    fp8 = estimate_kv_cache(**LLAMA_7B, max_batch_size=1, max_seq_len=2048, gpu_memory="80GB", kv_cache_dtype="fp8")
+    assert fp8.max_concurrent_seqs == 149 and fp8.bytes_per_token == 262_144
+    assert "FP8 (kv_cache_dtype=fp8) for a float16 model (1 bytes)" in fp8.summary()
+    assert fp8.summary().splitlines()[-1].startswith("  kv_cache_dtype=auto: 524,288 bytes")
     # Rounded sequences are what the pool holds: 2049 tokens take 2064 tokens of blocks.
     odd = estimate_kv_cache(**LLAMA_7B, max_batch_size=1, max_seq_len=2049,
                             gpu_memory=524_288 * 2064 * 3 - 1)

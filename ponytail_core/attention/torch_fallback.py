@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv.scales import dequantize
 from ..kv.storage import PagedKVStorage
 
 
@@ -37,12 +38,14 @@ def gather_torch(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor
     used = torch.arange(max_blocks, device=storage.device)[None, :] * bs < seq_lens.long()[:, None]
     ids = torch.where(used, block_tables.long(), 0).clamp_(0, max(storage.num_blocks - 1, 0))
     chunk_of, within = storage.locate(ids)
-    blocks = torch.zeros((batch, max_blocks, 2, bs, c.num_kv_heads, c.head_dim), dtype=c.dtype,
+    blocks = torch.zeros((batch, max_blocks, 2, bs, c.num_kv_heads, c.head_dim), dtype=c.kv_dtype,
                          device=storage.device)
     for index, chunk in enumerate(storage.chunks):
         sel = used & (chunk_of == index)
         if bool(sel.any()):
             blocks[sel] = chunk[layer][:, within[sel]].transpose(0, 1)  # [n, 2, bs, H, D]
+    if storage.scales is not None:
+        blocks = dequantize(blocks, storage.scales.values[layer, :, None, None, None], c.dtype)
     kv = blocks.permute(2, 0, 4, 1, 3, 5).reshape(2, batch, c.num_kv_heads, max_blocks * bs, c.head_dim)
     live = torch.arange(max_blocks * bs, device=storage.device)[None, :] < seq_lens.long()[:, None]
     kv = kv.masked_fill(~live[None, :, None, :, None], 0)  # the last block's tail may hold anything

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kv.scales import dequantize, indexable, quantize
 from ..kv.storage import PagedKVStorage
 
 
@@ -169,11 +170,13 @@ def gather_planned(storage: PagedKVStorage, layer: int, plan: TorchAttentionPlan
         chunk, within, _ = plan.gathers[0]
         kv = storage.chunks[chunk][layer].index_select(1, within)
     else:
-        kv = torch.empty((2, plan.num_blocks, c.block_size, c.num_kv_heads, c.head_dim), dtype=c.dtype,
+        kv = torch.empty((2, plan.num_blocks, c.block_size, c.num_kv_heads, c.head_dim), dtype=c.kv_dtype,
                          device=storage.device)
         for chunk, within, where in plan.gathers:
-            kv.index_copy_(1, where, storage.chunks[chunk][layer].index_select(1, within))
+            indexable(kv).index_copy_(1, where, indexable(storage.chunks[chunk][layer]).index_select(1, within))
     kv = kv.flatten(1, 2)
+    if storage.scales is not None:
+        kv = dequantize(kv, storage.scales.values[layer, :, None, None, None], c.dtype)
     if plan.dead is not None:  # never read uninitialised memory into a softmax, even masked (NaN * 0)
         kv.index_fill_(1, plan.dead, 0)
     return kv
@@ -223,7 +226,7 @@ class SlotWrites:
     def __init__(self, storage: PagedKVStorage, slot_mapping: torch.Tensor):
         c = storage.config
         self.storage = storage
-        slots = slot_mapping.to(torch.int64)
+        slots = self.slots = slot_mapping.to(torch.int64)
         valid = slots >= 0
         chunk_of = torch.div(slots, c.block_size * storage.chunk_blocks, rounding_mode="floor")
         local = slots - chunk_of * (c.block_size * storage.chunk_blocks)  # token index within its chunk
@@ -239,7 +242,12 @@ class SlotWrites:
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key/value [tokens, kv_heads, head_dim] (any token stride) into layer `layer`."""
         c = self.storage.config
+        scales = self.storage.scales
+        if scales is not None:
+            if scales.calculating:
+                scales.observe(layer, key[None], value[None], self.slots)
+            key, value = quantize(key, scales.values[layer, 0]), quantize(value, scales.values[layer, 1])
         for chunk, where, local in self.writes:
-            tokens = self.storage.chunks[chunk][layer].view(2, -1, c.num_kv_heads, c.head_dim)
-            tokens[0].index_copy_(0, local, key if where is None else key.index_select(0, where))
-            tokens[1].index_copy_(0, local, value if where is None else value.index_select(0, where))
+            tokens = indexable(self.storage.chunks[chunk][layer]).view(2, -1, c.num_kv_heads, c.head_dim)
+            tokens[0].index_copy_(0, local, indexable(key if where is None else key.index_select(0, where)))
+            tokens[1].index_copy_(0, local, indexable(value if where is None else value.index_select(0, where)))

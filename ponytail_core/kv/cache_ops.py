@@ -11,6 +11,7 @@ import torch
 from ..kernels import loader as kernel_loader
 from ..kernels.launch import vector_width
 from ..errors import KernelError
+from .scales import quantize
 from .storage import PagedKVStorage
 from ..utils.arith import cdiv
 from ..utils.device import to_device
@@ -22,6 +23,10 @@ _LAUNCH = {
     "copy_threads": 256,  # one CTA per (block pair, layer, K-or-V)
     "copy_unroll": 4,  # 16-byte loads in flight per thread before its stores (cache_ops.cu instantiates 4)
 }
+
+# The model dtypes an FP8 pool's write kernels read (kv/config.py refuses float32 with FP8 on CUDA).
+_FP8_SOURCES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
 
 # ---------------------------------------------------------------- write_slots
 def _check_write_args(storage: PagedKVStorage, keys: torch.Tensor, values: torch.Tensor,
@@ -57,9 +62,16 @@ def write_slots(storage: PagedKVStorage, keys: torch.Tensor, values: torch.Tenso
     _check_write_args(storage, keys, values, slot_mapping, layer_start)
     if keys.shape[0] == 0 or keys.shape[1] == 0:
         return
+    if storage.scales is not None and storage.scales.calculating:
+        storage.scales.observe(layer_start, keys, values, slot_mapping)
     choice = kernel_loader.choose(storage.device)
     kernel_loader.log_choice("write_slots", choice)
-    if choice.use_custom:
+    if storage.scales is not None:  # FP8: quantize; the kernel stores four elements a word
+        if choice.use_custom and storage.config.head_dim % 4 == 0:
+            _write_slots_fp8_cupy(storage, keys, values, slot_mapping, layer_start)
+        else:
+            _write_slots_torch(storage, keys, values, slot_mapping, layer_start)
+    elif choice.use_custom:
         _write_slots_cupy(storage, keys, values, slot_mapping, layer_start)
     else:
         _write_slots_torch(storage, keys, values, slot_mapping, layer_start)
@@ -67,7 +79,7 @@ def write_slots(storage: PagedKVStorage, keys: torch.Tensor, values: torch.Tenso
 
 def _write_slots_cupy(storage, keys, values, slot_mapping, layer_start) -> None:
     c = storage.config
-    es = c.dtype_size
+    es = keys.element_size()
     row_bytes = c.head_dim * es
     k_strides = [s * es for s in keys.stride()[:3]]
     v_strides = [s * es for s in values.stride()[:3]]
@@ -85,6 +97,21 @@ def _write_slots_cupy(storage, keys, values, slot_mapping, layer_start) -> None:
             np.int32(storage.chunk_blocks), np.int32(layer_start)))
 
 
+def _write_slots_fp8_cupy(storage, keys, values, slot_mapping, layer_start) -> None:
+    """Quantizing writes (cache_ops.cu's write_slots_fp8_*): strides in elements of the 16-bit source."""
+    c = storage.config
+    kernel = kernel_loader.get_kernel(_SOURCE, f"write_slots_fp8_{_FP8_SOURCES[c.dtype]}", storage.device)
+    words = c.num_kv_heads * c.head_dim // 4
+    threads = min(_LAUNCH["write_max_threads"], cdiv(words, 32) * 32)
+    with kernel_loader.on_torch_stream(storage.device):
+        kernel((keys.shape[1], keys.shape[0]), (threads,), (
+            np.uint64(keys.data_ptr()), np.uint64(values.data_ptr()), np.uint64(slot_mapping.data_ptr()),
+            storage.cupy_chunk_ptrs, np.uint64(storage.scales.values.data_ptr()),
+            *(np.int64(s) for s in keys.stride()[:3]), *(np.int64(s) for s in values.stride()[:3]),
+            np.int32(c.num_kv_heads), np.int32(c.head_dim), np.int32(c.block_size),
+            np.int32(storage.chunk_blocks), np.int32(layer_start)))
+
+
 def _write_slots_torch(storage, keys, values, slot_mapping, layer_start) -> None:
     c = storage.config
     layers = slice(layer_start, layer_start + keys.shape[0])
@@ -98,8 +125,12 @@ def _write_slots_torch(storage, keys, values, slot_mapping, layer_start) -> None
             continue
         tokens = chunk.view(c.num_layers, 2, storage.chunk_blocks * c.block_size, c.num_kv_heads, c.head_dim)
         local = within[sel] * c.block_size + offsets[sel]
-        tokens[layers, 0, local] = keys[:, sel]
-        tokens[layers, 1, local] = values[:, sel]
+        k, v = keys[:, sel], values[:, sel]
+        if storage.scales is not None:
+            scales = storage.scales.values[layers, :, None, None, None]  # [layers, 2, 1, 1, 1]
+            k, v = quantize(k, scales[:, 0]), quantize(v, scales[:, 1])
+        tokens[layers, 0, local] = k
+        tokens[layers, 1, local] = v
 
 
 # ---------------------------------------------------------------- copy_blocks

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from ..utils.dtypes import dtype_name, resolve_dtype
+from ..utils.dtypes import KV_CACHE_DTYPES, dtype_name, resolve_dtype, resolve_kv_cache_dtype
 from ..utils.dtypes import dtype_size as _itemsize
 from ..errors import ConfigError
 from ..utils.units import parse_bytes
@@ -23,7 +23,7 @@ _SHAPE_FIELDS = ("num_layers", "num_heads", "num_kv_heads", "head_dim", "dtype")
 # Fields from_model lets an override set freely (device must still match the model's).
 _FREE_FIELDS = (
     "max_batch_size", "max_seq_len", "block_size", "memory_budget",
-    "device", "chunk_blocks", "defrag_threshold",
+    "device", "chunk_blocks", "defrag_threshold", "kv_cache_dtype",
 )
 
 
@@ -81,7 +81,7 @@ class CacheConfig:
     num_layers: int  # decoder layers; each has its own K and V blocks
     num_kv_heads: int  # key/value heads per layer (fewer than num_heads under GQA/MQA)
     head_dim: int  # elements per head
-    dtype: torch.dtype  # element type of K and V
+    dtype: torch.dtype  # the model's dtype: K and V as attention takes and returns them
     max_batch_size: int  # sequences served at once
     max_seq_len: int  # longest sequence, prompt plus generated tokens
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per block; a power of two
@@ -90,12 +90,14 @@ class CacheConfig:
     device: str | torch.device | None = None  # None -> "cuda" if available else "cpu"
     chunk_blocks: int | None = None  # blocks the pool grows/shrinks by; None -> max_num_blocks / 8
     defrag_threshold: float = 0.1  # holes below the high-water mark / high-water mark to compact
+    kv_cache_dtype: str = "auto"  # how the pool stores K/V: "auto" (dtype) or "fp8"/"fp8_e4m3" (scaled E4M3)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "max_batch_size", "max_seq_len",
                      "block_size"):
             setattr(self, name, check_positive_int(name, getattr(self, name)))
         self.dtype = resolve_dtype(self.dtype)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype)
         if self.block_size & (self.block_size - 1):
             raise ConfigError(
                 f"block_size={self.block_size} is not a power of two; "
@@ -111,6 +113,10 @@ class CacheConfig:
                 f"allowed: a positive multiple of {kv} ({kv}, {2 * kv}, {3 * kv}, ...)"
             )
         self.device = resolve_device(self.device)
+        if self.is_fp8 and self.device.type == "cuda" and self.dtype == torch.float32:
+            raise ConfigError(f"kv_cache_dtype={self.kv_cache_dtype!r} with dtype=float32 on {self.device}: the "
+                              "FP8 kernels dequantize into bfloat16 or float16; allowed: a bfloat16 or float16 "
+                              "model with FP8, or kv_cache_dtype='auto'")
         if self.memory_budget is None:
             self.memory_budget = self.max_batch_size * self.blocks_per_seq * self.block_bytes
         else:
@@ -136,9 +142,19 @@ class CacheConfig:
         self.defrag_threshold = float(threshold)
 
     @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element type the pool stores K and V in."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype] or self.dtype
+
+    @property
+    def is_fp8(self) -> bool:
+        """K/V are stored as scaled FP8 (kv/scales.py) and dequantized to dtype when read."""
+        return self.kv_dtype != self.dtype
+
+    @property
     def dtype_size(self) -> int:
-        """Bytes per element of K or V."""
-        return _itemsize(self.dtype)
+        """Bytes per stored element of K or V."""
+        return _itemsize(self.kv_dtype)
 
     @property
     def bytes_per_token(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -32,6 +33,11 @@ class KVEstimate:
     gpu_memory: int | None  # KV memory available, if asked
     max_concurrent_seqs: int | None  # full-length sequences that fit in gpu_memory, if asked
     device: DeviceCapacity | None = None  # with a device's total memory: how gpu_memory was sized
+    kv_cache_dtype: str = "auto"  # how the pool stores K/V ("auto": dtype)
+    # The same cache stored the other way (FP8 for "auto", the model's dtype for FP8), to compare.
+    other_kv_cache_dtype: str = "fp8"
+    other_bytes_per_token: int = 0
+    other_max_concurrent_seqs: int | None = None
 
     @property
     def bytes_per_seq_blocks(self) -> int:
@@ -45,9 +51,10 @@ class KVEstimate:
     def summary(self) -> str:
         """A few lines for people: shape, per-token cost, totals and what fits in gpu_memory."""
         elsize = self.bytes_per_token // (2 * self.num_layers * self.num_kv_heads * self.head_dim)
+        stored = self.dtype if self.kv_cache_dtype == "auto" else f"FP8 (kv_cache_dtype={self.kv_cache_dtype}) for a {self.dtype} model"
         lines = [
             f"KV cache: {self.num_layers} layers x {self.num_kv_heads} KV heads x head_dim "
-            f"{self.head_dim}, {self.dtype} ({elsize} bytes), K and V",
+            f"{self.head_dim}, {stored} ({elsize} bytes), K and V",
             f"  per token:           {describe_bytes(self.bytes_per_token)}",
             f"  sequences:           {self.max_batch_size:,} x {self.max_seq_len:,} tokens "
             f"({self.tokens_per_seq_rounded:,} in blocks of {self.block_size})",
@@ -62,6 +69,11 @@ class KVEstimate:
                 f"  gpu memory:          {describe_bytes(self.gpu_memory)} holds "
                 f"{self.max_concurrent_seqs:,} sequences of {self.max_seq_len:,} tokens"
             )
+        ratio = self.bytes_per_token / self.other_bytes_per_token
+        fits = ("" if self.other_max_concurrent_seqs is None else
+                f", {self.other_max_concurrent_seqs:,} sequences in the same memory")
+        lines.append(f"  kv_cache_dtype={self.other_kv_cache_dtype}: {describe_bytes(self.other_bytes_per_token)} per token, "
+                     f"{ratio:.2f}x the tokens{fits}")
         return "\n".join(lines)
 
 
@@ -80,6 +92,7 @@ def estimate_kv_cache(
     max_seq_len: int,
     block_size: int = DEFAULT_BLOCK_SIZE,
     gpu_memory: int | str | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> KVEstimate:
     """Estimate the KV memory of a model shape; gpu_memory ("80GB") also answers how many fit."""
     # CacheConfig does the validation; "cpu" keeps the estimate independent of this machine.
@@ -92,6 +105,7 @@ def estimate_kv_cache(
         max_seq_len=max_seq_len,
         block_size=block_size,
         device="cpu",
+        kv_cache_dtype=kv_cache_dtype,
     )
     return estimate_from_config(config, gpu_memory=gpu_memory)
 
@@ -108,6 +122,8 @@ def estimate_from_config(config: CacheConfig, gpu_memory: int | str | None = Non
         gpu = None if gpu_memory is None else parse_bytes(gpu_memory, "gpu_memory")
     tokens_rounded = config.blocks_per_seq * config.block_size
     seq_bytes = tokens_rounded * config.bytes_per_token
+    other = dataclasses.replace(config, kv_cache_dtype="fp8" if config.kv_cache_dtype == "auto" else "auto",
+                                memory_budget=None, device="cpu")
     return KVEstimate(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
@@ -123,4 +139,8 @@ def estimate_from_config(config: CacheConfig, gpu_memory: int | str | None = Non
         gpu_memory=gpu,
         max_concurrent_seqs=None if gpu is None else gpu // seq_bytes,
         device=device,
+        kv_cache_dtype=config.kv_cache_dtype,
+        other_kv_cache_dtype=other.kv_cache_dtype,
+        other_bytes_per_token=other.bytes_per_token,
+        other_max_concurrent_seqs=None if gpu is None else gpu // (tokens_rounded * other.bytes_per_token),
     )

@@ -19,6 +19,7 @@ import torch
 from ..utils.device import to_device
 from .config import CacheConfig
 from .page_view import PageView, aligned_empty, build_page_view
+from .scales import KVScales, dequantize
 
 
 class PagedKVStorage:
@@ -27,6 +28,8 @@ class PagedKVStorage:
         self.chunk_blocks = chunk_blocks
         self.device = config.device
         self.chunks: list[torch.Tensor] = []
+        # FP8 pools: each layer's K and V scales (scales.py); None where K/V are stored as they come.
+        self.scales = KVScales(config.num_layers, self.device) if config.is_fp8 else None
         self.cupy_views: list = []  # zero-copy CuPy views, one per chunk (CUDA with CuPy only)
         self.cupy_chunk_ptrs = None  # zero-copy CuPy view of chunk_ptrs: the kernels' argument
         self.chunk_ptrs = torch.zeros(max(1, max_chunks), dtype=torch.int64, device=self.device)
@@ -77,7 +80,7 @@ class PagedKVStorage:
             for _ in range(count):
                 # empty, not zeros: blocks are always written before they are read. Each chunk starts
                 # on the grid of one layer's block (page_view.py).
-                self.chunks.append(aligned_empty(self.chunk_shape, self.config.dtype, self.device,
+                self.chunks.append(aligned_empty(self.chunk_shape, self.config.kv_dtype, self.device,
                                                  self.layer_block_bytes))
         finally:
             self._refresh_views()
@@ -135,10 +138,14 @@ class PagedKVStorage:
         return self.chunks[chunk][:, :, within]
 
     def read_tokens(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
-        """Copy of the K/V of a sequence's first `num_tokens` tokens: [num_layers, 2, T, H, D]."""
+        """Copy of the K/V of a sequence's first `num_tokens` tokens: [num_layers, 2, T, H, D], in the
+        model's dtype (an FP8 pool's values dequantized)."""
         c = self.config
         if not block_ids:
             return torch.empty((c.num_layers, 2, 0, c.num_kv_heads, c.head_dim), dtype=c.dtype,
                                device=self.device)
         data = torch.stack([self.block_data(b) for b in block_ids], dim=2)  # [L, 2, nb, bs, H, D]
-        return data.flatten(2, 3)[:, :, :num_tokens].clone()
+        data = data.flatten(2, 3)[:, :, :num_tokens]
+        if self.scales is not None:
+            return dequantize(data, self.scales.values[:, :, None, None, None], c.dtype)
+        return data.clone()
