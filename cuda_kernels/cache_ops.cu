@@ -7,8 +7,11 @@
 //
 // Both kernels only move bytes, so one instantiation per vector width (16, 8, 4, 2 bytes)
 // serves every dtype and the copies are bit-exact. The Python wrapper picks the widest width
-// that divides every size, stride and base address. Compiled by NVRTC through CuPy: no
-// standard headers.
+// that divides every size, stride and base address. An FP8 pool's writes quantize instead
+// (write_slots_fp8_*, fp8.cuh); its block copies move bytes like any other. Compiled by NVRTC
+// through CuPy: no standard headers.
+
+#include "fp8.cuh"
 
 typedef long long i64;
 
@@ -59,6 +62,68 @@ __device__ void write_slots(const char* __restrict__ keys, const char* __restric
         reinterpret_cast<V*>(v_dst)[i] = v;
     }
 }
+
+// An FP8 pool's write_slots: the same grid, each thread quantizing four elements of a row with
+// the layer's K or V scale (kv_scales [num_layers][2]) and storing them as one 4-byte word.
+// Strides are in elements of the 16-bit source; head_dim is contiguous and a multiple of 4.
+template <bool IS_FP16>
+__device__ void write_slots_fp8(const unsigned short* __restrict__ keys, const unsigned short* __restrict__ values,
+                                const i64* __restrict__ slot_mapping,
+                                const unsigned long long* __restrict__ chunk_ptrs,
+                                const float* __restrict__ kv_scales,
+                                i64 k_layer_stride, i64 k_token_stride, i64 k_head_stride,
+                                i64 v_layer_stride, i64 v_token_stride, i64 v_head_stride,
+                                int num_heads, int head_dim, int block_size, int chunk_blocks,
+                                int layer_start) {
+    const int token = blockIdx.x;
+    const int layer_in = blockIdx.y;
+    const i64 slot = slot_mapping[token];
+    if (slot < 0) return;
+    const i64 block = slot / block_size;
+    const int offset = (int)(slot - block * block_size);
+    const i64 layer_block_bytes = (i64)block_size * num_heads * head_dim;
+    const int layer = layer_start + layer_in;
+    const i64 in_block = (i64)offset * num_heads * head_dim;
+    unsigned int* k_dst = reinterpret_cast<unsigned int*>(
+        block_base(chunk_ptrs, block, 2 * layer, chunk_blocks, layer_block_bytes) + in_block);
+    unsigned int* v_dst = reinterpret_cast<unsigned int*>(
+        block_base(chunk_ptrs, block, 2 * layer + 1, chunk_blocks, layer_block_bytes) + in_block);
+    const unsigned short* k_src = keys + layer_in * k_layer_stride + token * k_token_stride;
+    const unsigned short* v_src = values + layer_in * v_layer_stride + token * v_token_stride;
+    const float k_scale = kv_scales[2 * layer], v_scale = kv_scales[2 * layer + 1];
+    const int row_words = head_dim / 4;
+    const int total = num_heads * row_words;
+    for (int i = threadIdx.x; i < total; i += blockDim.x) {
+        const int head = i / row_words;
+        const int e = (i - head * row_words) * 4;
+        const unsigned short* kp = k_src + head * k_head_stride + e;
+        const unsigned short* vp = v_src + head * v_head_stride + e;
+        unsigned int kw = 0, vw = 0;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            kw |= (unsigned int)fp8_e4m3_quantize(bits16_to_float<IS_FP16>(kp[j]), k_scale) << (8 * j);
+            vw |= (unsigned int)fp8_e4m3_quantize(bits16_to_float<IS_FP16>(vp[j]), v_scale) << (8 * j);
+        }
+        k_dst[i] = kw;
+        v_dst[i] = vw;
+    }
+}
+
+#define PONYTAIL_WRITE_FP8(SUFFIX, IS_FP16)                                                    \
+    extern "C" __global__ void write_slots_fp8_##SUFFIX(                                       \
+        const unsigned short* keys, const unsigned short* values, const i64* slot_mapping,     \
+        const unsigned long long* chunk_ptrs, const float* kv_scales, i64 k_layer_stride,      \
+        i64 k_token_stride, i64 k_head_stride, i64 v_layer_stride, i64 v_token_stride,         \
+        i64 v_head_stride, int num_heads, int head_dim, int block_size, int chunk_blocks,      \
+        int layer_start) {                                                                     \
+        write_slots_fp8<IS_FP16>(keys, values, slot_mapping, chunk_ptrs, kv_scales,            \
+                                 k_layer_stride, k_token_stride, k_head_stride, v_layer_stride, \
+                                 v_token_stride, v_head_stride, num_heads, head_dim,           \
+                                 block_size, chunk_blocks, layer_start);                       \
+    }
+
+PONYTAIL_WRITE_FP8(bf16, false)
+PONYTAIL_WRITE_FP8(fp16, true)
 
 // grid = (num_pairs, 2 * num_layers): one CTA copies one (layer, K-or-V) slice of one block.
 // `pairs` is [num_pairs][2] of (src, dst) block ids; no dst may also be a src (checked on the host).

@@ -28,7 +28,16 @@
 // back with the rest. One launch fewer per layer and step than writing the cache beforehand; CTAs
 // of several query-head groups of one KV head write the same bytes, which is harmless.
 //
+// FP8 pools (compiled as a module of their own, with PONYTAIL_FP8 defined, only where a pool is
+// FP8): the kernels are templated on the model's dtype T and the stored dtype KV separately. K/V
+// bytes move exactly as before (16 elements per 16-byte copy instead of 8: half the bytes per
+// token) and are widened in registers (fp8.cuh); the layer's K scale is folded into the query's
+// pre-scale and its V scale into the output, so no scale is applied per element. The new token
+// is quantized as cache_ops.cu's write_slots_fp8 does. The prefill gathers dequantize into T.
+//
 // Compiled by NVRTC through CuPy: no standard headers, so fp16/bf16 conversions are inline PTX.
+
+#include "fp8.cuh"
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -37,6 +46,7 @@ typedef unsigned short u16;
 
 struct bf16_t { u16 bits; };
 struct fp16_t { u16 bits; };
+struct fp8_t { unsigned char bits; };  // E4M3, as stored in an FP8 pool
 
 // ----------------------------------------------------------------------------------- dtypes
 template <typename T> struct Dtype;
@@ -90,6 +100,26 @@ template <> struct Dtype<fp16_t> {
     }
 };
 
+// Stored FP8: unpack widens to value / PONYTAIL_FP8_WIDEN_FACTOR (the kernels fold the factor in).
+template <> struct Dtype<fp8_t> {
+    static constexpr int kPerVec = 16;
+    __device__ __forceinline__ static void unpack(const uint4& v, float* f) {
+        fp8x4_widen(v.x, f); fp8x4_widen(v.y, f + 4); fp8x4_widen(v.z, f + 8); fp8x4_widen(v.w, f + 12);
+    }
+};
+
+// A model element as the cache stores it: as is, or quantized with the layer's scale.
+template <typename T, typename KV>
+__device__ __forceinline__ KV to_cache(T x, float scale) {
+    if constexpr (sizeof(KV) == 1) {
+        KV r;
+        r.bits = fp8_e4m3_quantize(Dtype<T>::to_float(x), scale);
+        return r;
+    } else {
+        return x;
+    }
+}
+
 // ---------------------------------------------------------------------------------- helpers
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) = 0
     float y;
@@ -115,9 +145,9 @@ __device__ __forceinline__ int attended_tokens(const int* seq_lens, const int* q
 // of a row per lane (2 halves the lanes per row, and so the shuffles per score, for twice the
 // query and accumulator registers). All three are part of the kernel name (..._l4s3v1), so the
 // launch picks the configuration this file instantiates from attention/decode.py's LAUNCH.
-template <typename T, int HEAD_DIM, int GROUP, int LOADS, int ROWVECS>
+template <typename KV, int HEAD_DIM, int GROUP, int LOADS, int ROWVECS>
 struct DecodeShape {
-    static constexpr int EPV = Dtype<T>::kPerVec;                 // elements per 16-byte vector
+    static constexpr int EPV = Dtype<KV>::kPerVec;                // elements per 16-byte vector
     static constexpr int NV = HEAD_DIM / EPV;                     // vectors per row
     static constexpr int LPR_WANTED = pow2_ceil((NV + ROWVECS - 1) / ROWVECS);
     static constexpr int LPR = LPR_WANTED > 32 ? 32 : LPR_WANTED; // lanes per row
@@ -150,7 +180,8 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // grid (splits, kv_heads * groups, batch). Dynamic shared memory: the split's block addresses
 // (split_blocks u64), then per warp a ring [STAGES][K, V][SLOTS][32 lanes] of 16-byte vectors;
 // each lane reads back only the vectors it copied itself, so the ring needs no warp barrier.
-template <typename T, int HEAD_DIM, int GROUP, int LOADS, int STAGES, int ROWVECS, bool WINDOWED>
+// kv_scales (FP8 pools only, else null): [num_layers][2] fp32, the layers' K and V scales.
+template <typename T, typename KV, int HEAD_DIM, int GROUP, int LOADS, int STAGES, int ROWVECS, bool WINDOWED>
 __device__ void paged_decode(
     const T* __restrict__ query, i64 q_batch_stride, i64 q_head_stride,
     T* __restrict__ out, float* __restrict__ ws_acc, float* __restrict__ ws_ml,
@@ -159,8 +190,9 @@ __device__ void paged_decode(
     int num_kv_heads, int group_size, int block_size_log2, int chunk_blocks, int num_blocks,
     int layer, int max_tokens, int split_tokens, float scale_log2, const T* __restrict__ new_k,
     const T* __restrict__ new_v, i64 k_token_stride, i64 k_head_stride, i64 v_token_stride,
-    i64 v_head_stride, const i64* __restrict__ slots, int window) {
-    using S = DecodeShape<T, HEAD_DIM, GROUP, LOADS, ROWVECS>;
+    i64 v_head_stride, const i64* __restrict__ slots, const float* __restrict__ kv_scales, int window) {
+    using S = DecodeShape<KV, HEAD_DIM, GROUP, LOADS, ROWVECS>;
+    constexpr bool FP8 = sizeof(KV) == 1;
     constexpr int EPV = S::EPV, NV = S::NV, LPR = S::LPR, VPL = S::VPL, RPW = S::RPW;
     constexpr int ROUNDS = S::ROUNDS, TOK = S::TOK, SLOTS = S::SLOTS;
 
@@ -215,7 +247,7 @@ __device__ void paged_decode(
         if (id < 0 || id >= num_blocks) id = 0;  // never read outside the pool
         const int chunk = id / chunk_blocks;
         const int within = id - chunk * chunk_blocks;
-        const T* base = reinterpret_cast<const T*>(chunk_ptrs[chunk]) +
+        const KV* base = reinterpret_cast<const KV*>(chunk_ptrs[chunk]) +
                         ((i64)(2 * layer) * chunk_blocks + within) * block_elems +
                         (i64)kv_head * HEAD_DIM;
         table[i] = reinterpret_cast<u64>(base);
@@ -225,20 +257,26 @@ __device__ void paged_decode(
         const i64 id = slot >> block_size_log2;
         if (slot >= 0 && id < num_blocks) {
             const i64 chunk = id / chunk_blocks;
-            T* k_dst = reinterpret_cast<T*>(chunk_ptrs[chunk]) +
+            KV* k_dst = reinterpret_cast<KV*>(chunk_ptrs[chunk]) +
                        ((i64)(2 * layer) * chunk_blocks + (id - chunk * chunk_blocks)) * block_elems +
                        (slot & (block_size - 1)) * token_stride + (i64)kv_head * HEAD_DIM;
             const T* k_src = new_k + b * k_token_stride + kv_head * k_head_stride;
             const T* v_src = new_v + b * v_token_stride + kv_head * v_head_stride;
+            const float k_scale = FP8 ? kv_scales[2 * layer] : 1.f;
+            const float v_scale = FP8 ? kv_scales[2 * layer + 1] : 1.f;
             for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
                 const T k = k_src[i], v = v_src[i];
-                k_dst[i] = k;
-                k_dst[v_offset + i] = v;
+                k_dst[i] = to_cache<T, KV>(k, k_scale);
+                k_dst[v_offset + i] = to_cache<T, KV>(v, v_scale);
             }
         }
     }
 
-    // This lane's query elements, fp32, pre-scaled into the log2 domain. Missing heads are 0.
+    // This lane's query elements, fp32, pre-scaled into the log2 domain (and, FP8, by the K scale
+    // times the widening factor: the scores then come out right from the widened bytes). The V
+    // scale multiplies the output instead. Missing heads are 0.
+    const float q_scale = FP8 ? scale_log2 * kv_scales[2 * layer] * PONYTAIL_FP8_WIDEN_FACTOR : scale_log2;
+    const float v_mult = FP8 ? kv_scales[2 * layer + 1] * PONYTAIL_FP8_WIDEN_FACTOR : 1.f;
     float q[GROUP][VPL][EPV];
 #pragma unroll
     for (int g = 0; g < GROUP; ++g)
@@ -250,7 +288,7 @@ __device__ void paged_decode(
             if (g < heads_here && (NV % LPR == 0 || vec < NV)) {
                 const T* qp = query + b * q_batch_stride + (i64)(head0 + g) * q_head_stride + vec * EPV;
 #pragma unroll
-                for (int e = 0; e < EPV; ++e) q[g][k][e] = Dtype<T>::to_float(qp[e]) * scale_log2;
+                for (int e = 0; e < EPV; ++e) q[g][k][e] = Dtype<T>::to_float(qp[e]) * q_scale;
             }
         }
 
@@ -269,8 +307,8 @@ __device__ void paged_decode(
     // Copy step `s0` (tokens s0 .. s0 + TOK - 1 of this warp) into ring stage `stage`. Byte
     // addresses; a lane's slot (round r, vector k) is 16 bytes at ((r * VPL + k) * 32 + lane) * 16.
     const u32 ring_addr = smem_addr(ring);
-    const i64 token_bytes = token_stride * (i64)sizeof(T);
-    const i64 v_offset_bytes = v_offset * (i64)sizeof(T);
+    const i64 token_bytes = token_stride * (i64)sizeof(KV);
+    const i64 v_offset_bytes = v_offset * (i64)sizeof(KV);
     auto issue = [&](int stage, int s0) {
         if (s0 < t_end) {
             const u32 dst = ring_addr + stage * (2 * SLOTS * 32 * 16);
@@ -331,7 +369,7 @@ __device__ void paged_decode(
         for (int r = 0; r < ROUNDS; ++r) {
             float kf[VPL][EPV];
 #pragma unroll
-            for (int k = 0; k < VPL; ++k) Dtype<T>::unpack(kring[(r * VPL + k) * 32], kf[k]);
+            for (int k = 0; k < VPL; ++k) Dtype<KV>::unpack(kring[(r * VPL + k) * 32], kf[k]);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
                 float dot = 0.f;
@@ -400,7 +438,7 @@ __device__ void paged_decode(
         for (int r = 0; r < ROUNDS; ++r) {
             float vf[VPL][EPV];
 #pragma unroll
-            for (int k = 0; k < VPL; ++k) Dtype<T>::unpack(vring[(r * VPL + k) * 32], vf[k]);
+            for (int k = 0; k < VPL; ++k) Dtype<KV>::unpack(vring[(r * VPL + k) * 32], vf[k]);
 #pragma unroll
             for (int g = 0; g < GROUP; ++g)
 #pragma unroll
@@ -461,6 +499,7 @@ __device__ void paged_decode(
             sum += c * sm_l[w * GROUP + g];
             a += c * sm_acc[(w * GROUP + g) * HEAD_DIM + d];
         }
+        a *= v_mult;
         const i64 bh = (i64)b * num_heads + head0 + g;
         if (num_splits == 1) {
             out[bh * HEAD_DIM + d] = Dtype<T>::from_float(sum > 0.f ? a / sum : 0.f);
@@ -503,66 +542,41 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     out[bh * HEAD_DIM + d] = Dtype<T>::from_float(sum > 0.f ? a / sum : 0.f);
 }
 
-#define PONYTAIL_DECODE(NAME, T, D, G, L, S, V)                                                 \
+#define PONYTAIL_DECODE_KERNEL(NAME, T, KV, D, G, L, S, V, WIN, SUFFIX, WINDOW_PARAM, WINDOW_ARG)   \
     extern "C" __global__ void __launch_bounds__(256)                                          \
-        paged_decode_##NAME##_d##D##_g##G##_l##L##s##S##v##V(                                  \
+        paged_decode_##NAME##_d##D##_g##G##_l##L##s##S##v##V##SUFFIX(                          \
             const T* query, i64 q_batch_stride, i64 q_head_stride, T* out, float* ws_acc,      \
             float* ws_ml, const u64* chunk_ptrs, const int* block_tables, int table_stride,    \
             const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
             int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
             int split_tokens, float scale_log2, const T* new_k, const T* new_v,                \
             i64 k_token_stride, i64 k_head_stride, i64 v_token_stride, i64 v_head_stride,      \
-            const i64* slots) {                                                                \
-        paged_decode<T, D, G, L, S, V, false>(query, q_batch_stride, q_head_stride, out,       \
-                                              ws_acc, ws_ml, chunk_ptrs, block_tables,         \
-                                              table_stride, seq_lens, query_lens,              \
-                                              num_kv_heads, group_size, block_size_log2,       \
-                                              chunk_blocks, num_blocks, layer, max_tokens,     \
-                                              split_tokens, scale_log2, new_k, new_v,          \
-                                              k_token_stride, k_head_stride, v_token_stride,   \
-                                              v_head_stride, slots, 0);                        \
+            const i64* slots, const float* kv_scales WINDOW_PARAM) {                           \
+        paged_decode<T, KV, D, G, L, S, V, WIN>(query, q_batch_stride, q_head_stride, out,     \
+                                                ws_acc, ws_ml, chunk_ptrs, block_tables,       \
+                                                table_stride, seq_lens, query_lens,            \
+                                                num_kv_heads, group_size, block_size_log2,     \
+                                                chunk_blocks, num_blocks, layer, max_tokens,   \
+                                                split_tokens, scale_log2, new_k, new_v,        \
+                                                k_token_stride, k_head_stride, v_token_stride, \
+                                                v_head_stride, slots, kv_scales, WINDOW_ARG);  \
     }
 
-// The same with a sliding window: the name ends in _w and `window` comes last.
-#define PONYTAIL_DECODE_WINDOWED(NAME, T, D, G, L, S, V)                                        \
-    extern "C" __global__ void __launch_bounds__(256)                                          \
-        paged_decode_##NAME##_d##D##_g##G##_l##L##s##S##v##V##_w(                              \
-            const T* query, i64 q_batch_stride, i64 q_head_stride, T* out, float* ws_acc,      \
-            float* ws_ml, const u64* chunk_ptrs, const int* block_tables, int table_stride,    \
-            const int* seq_lens, const int* query_lens, int num_kv_heads, int group_size,      \
-            int block_size_log2, int chunk_blocks, int num_blocks, int layer, int max_tokens,  \
-            int split_tokens, float scale_log2, const T* new_k, const T* new_v,                \
-            i64 k_token_stride, i64 k_head_stride, i64 v_token_stride, i64 v_head_stride,      \
-            const i64* slots, int window) {                                                    \
-        paged_decode<T, D, G, L, S, V, true>(query, q_batch_stride, q_head_stride, out,        \
-                                             ws_acc, ws_ml, chunk_ptrs, block_tables,          \
-                                             table_stride, seq_lens, query_lens,               \
-                                             num_kv_heads, group_size, block_size_log2,        \
-                                             chunk_blocks, num_blocks, layer, max_tokens,      \
-                                             split_tokens, scale_log2, new_k, new_v,           \
-                                             k_token_stride, k_head_stride, v_token_stride,    \
-                                             v_head_stride, slots, window);                    \
-    }
+#define PONYTAIL_COMMA ,
+// Without a window, and with one: the name ends in _w and `window` comes last.
+#define PONYTAIL_DECODE(NAME, T, KV, D, G, L, S, V) \
+    PONYTAIL_DECODE_KERNEL(NAME, T, KV, D, G, L, S, V, false, , , 0)
+#define PONYTAIL_DECODE_WINDOWED(NAME, T, KV, D, G, L, S, V) \
+    PONYTAIL_DECODE_KERNEL(NAME, T, KV, D, G, L, S, V, true, _w, PONYTAIL_COMMA int window, window)
 
-// One configuration per head size: l4s3v1 (52 KiB of shared memory a CTA, so 4 CTAs of 4 warps share an SM).
-#define PONYTAIL_DECODE_GROUPS(NAME, T, D)                                                      \
-    PONYTAIL_DECODE(NAME, T, D, 1, 4, 3, 1)                                                     \
-    PONYTAIL_DECODE(NAME, T, D, 2, 4, 3, 1)                                                     \
-    PONYTAIL_DECODE(NAME, T, D, 4, 4, 3, 1)                                                     \
-    PONYTAIL_DECODE(NAME, T, D, 8, 4, 3, 1)                                                     \
+#define PONYTAIL_DECODE_REDUCE(NAME, T, D)                                                      \
     extern "C" __global__ void paged_decode_reduce_##NAME##_d##D(                               \
         T* out, const float* ws_acc, const float* ws_ml, const int* seq_lens,                  \
         const int* query_lens, int max_tokens, int split_tokens, int num_splits) {             \
         paged_decode_reduce<T, D, false>(out, ws_acc, ws_ml, seq_lens, query_lens, max_tokens, \
                                          split_tokens, num_splits, 0, 0);                      \
     }
-
-// The windowed kernels of the shipped configuration.
-#define PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, D)                                             \
-    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 1, 4, 3, 1)                                            \
-    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 2, 4, 3, 1)                                            \
-    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 4, 4, 3, 1)                                            \
-    PONYTAIL_DECODE_WINDOWED(NAME, T, D, 8, 4, 3, 1)                                            \
+#define PONYTAIL_DECODE_REDUCE_WINDOWED(NAME, T, D)                                             \
     extern "C" __global__ void paged_decode_reduce_##NAME##_d##D##_w(                           \
         T* out, const float* ws_acc, const float* ws_ml, const int* seq_lens,                  \
         const int* query_lens, int max_tokens, int split_tokens, int num_splits,               \
@@ -570,6 +584,32 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
         paged_decode_reduce<T, D, true>(out, ws_acc, ws_ml, seq_lens, query_lens, max_tokens,  \
                                         split_tokens, num_splits, block_size_log2, window);    \
     }
+
+// One configuration per head size: l4s3v1 (52 KiB of shared memory a CTA, so 4 CTAs of 4 warps
+// share an SM), for groups of 1, 2, 4 and 8 query heads. FP8 pools stop at 4: sixteen elements a
+// vector double the query and accumulator registers, and 8 heads would spill them.
+#define PONYTAIL_DECODE_GROUPS(NAME, T, D)                                                      \
+    PONYTAIL_DECODE(NAME, T, T, D, 1, 4, 3, 1)                                                  \
+    PONYTAIL_DECODE(NAME, T, T, D, 2, 4, 3, 1)                                                  \
+    PONYTAIL_DECODE(NAME, T, T, D, 4, 4, 3, 1)                                                  \
+    PONYTAIL_DECODE(NAME, T, T, D, 8, 4, 3, 1)                                                  \
+    PONYTAIL_DECODE_REDUCE(NAME, T, D)
+#define PONYTAIL_DECODE_WINDOWED_GROUPS(NAME, T, D)                                             \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, T, D, 1, 4, 3, 1)                                         \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, T, D, 2, 4, 3, 1)                                         \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, T, D, 4, 4, 3, 1)                                         \
+    PONYTAIL_DECODE_WINDOWED(NAME, T, T, D, 8, 4, 3, 1)                                         \
+    PONYTAIL_DECODE_REDUCE_WINDOWED(NAME, T, D)
+#define PONYTAIL_DECODE_FP8_GROUPS(NAME, T, D)                                                  \
+    PONYTAIL_DECODE(fp8_##NAME, T, fp8_t, D, 1, 4, 3, 1)                                        \
+    PONYTAIL_DECODE(fp8_##NAME, T, fp8_t, D, 2, 4, 3, 1)                                        \
+    PONYTAIL_DECODE(fp8_##NAME, T, fp8_t, D, 4, 4, 3, 1)                                        \
+    PONYTAIL_DECODE_REDUCE(NAME, T, D)
+#define PONYTAIL_DECODE_FP8_WINDOWED_GROUPS(NAME, T, D)                                         \
+    PONYTAIL_DECODE_WINDOWED(fp8_##NAME, T, fp8_t, D, 1, 4, 3, 1)                               \
+    PONYTAIL_DECODE_WINDOWED(fp8_##NAME, T, fp8_t, D, 2, 4, 3, 1)                               \
+    PONYTAIL_DECODE_WINDOWED(fp8_##NAME, T, fp8_t, D, 4, 4, 3, 1)                               \
+    PONYTAIL_DECODE_REDUCE_WINDOWED(NAME, T, D)
 
 // Every decode head size (attention/decode.py's DECODE_HEAD_DIMS) of one GROUPS macro's kernels.
 #define PONYTAIL_FOR_HEAD_SIZES(GROUPS, NAME, T)                                                \
@@ -579,23 +619,24 @@ __device__ void paged_decode_reduce(T* __restrict__ out, const float* __restrict
     GROUPS(NAME, T, 128)                                                                        \
     GROUPS(NAME, T, 256)
 
-#ifdef PONYTAIL_WINDOWED
-// The module of windowed kernels (kernels/loader.py compiles this file a second time with
-// PONYTAIL_WINDOWED defined, only where a model has a window): models without one never pay its
-// compile.
-#define PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(NAME, T) PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_WINDOWED_GROUPS, NAME, T)
-
-PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(bf16, bf16_t)
-PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp16, fp16_t)
-PONYTAIL_DECODE_WINDOWED_HEAD_SIZES(fp32, float)
+// Which kernels this compile holds (kernels/loader.py compiles the file once per set of defines
+// a pool needs): PONYTAIL_WINDOWED for models with a sliding window, PONYTAIL_FP8 for FP8 pools.
+// Models without either never pay those kernels' compile.
+#if defined(PONYTAIL_FP8) && defined(PONYTAIL_WINDOWED)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_FP8_WINDOWED_GROUPS, bf16, bf16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_FP8_WINDOWED_GROUPS, fp16, fp16_t)
+#elif defined(PONYTAIL_FP8)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_FP8_GROUPS, bf16, bf16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_FP8_GROUPS, fp16, fp16_t)
+#elif defined(PONYTAIL_WINDOWED)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_WINDOWED_GROUPS, bf16, bf16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_WINDOWED_GROUPS, fp16, fp16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_WINDOWED_GROUPS, fp32, float)
 #else
-#define PONYTAIL_DECODE_HEAD_SIZES(NAME, T) PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_GROUPS, NAME, T)
-
-PONYTAIL_DECODE_HEAD_SIZES(bf16, bf16_t)
-PONYTAIL_DECODE_HEAD_SIZES(fp16, fp16_t)
-PONYTAIL_DECODE_HEAD_SIZES(fp32, float)
-
-#endif  // PONYTAIL_WINDOWED
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_GROUPS, bf16, bf16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_GROUPS, fp16, fp16_t)
+PONYTAIL_FOR_HEAD_SIZES(PONYTAIL_DECODE_GROUPS, fp32, float)
+#endif
 
 // --------------------------------------------------------------------------- prefill gather
 // grid (max_blocks, batch): one CTA copies table entry j of row b, K and V, every KV head, into
@@ -689,7 +730,80 @@ __device__ void gather_kv_packed(V* __restrict__ k_out, V* __restrict__ v_out,
                             layer);                                                             \
     }
 
-#ifndef PONYTAIL_WINDOWED
+// An FP8 pool's gathers, padded (PACKED false: gather_kv's layout, zeros past seq_len) or packed
+// (gather_kv_packed's): the same grids, each thread widening four stored bytes of a row into four
+// T elements times the layer's scale. A dequantized copy of the step's rows only, as the bf16
+// gathers copy them: nothing of the pool is converted beyond what the step attends.
+template <typename T, bool PACKED>
+__device__ void gather_kv_fp8(T* __restrict__ k_out, T* __restrict__ v_out, const u64* __restrict__ chunk_ptrs,
+                              const int* __restrict__ block_tables, int table_stride,
+                              const int* __restrict__ seq_lens, const int* __restrict__ cu_k, int num_heads,
+                              int head_dim, int block_size, int chunk_blocks, int num_blocks, int layer,
+                              const float* __restrict__ kv_scales) {
+    const int j = blockIdx.x, max_blocks = gridDim.x, b = blockIdx.y;
+    const int n = seq_lens[b];
+    const int first = j * block_size;
+    if (PACKED && first >= n) return;
+    int id = first < n ? block_tables[(i64)b * table_stride + j] : -1;
+    if (id >= num_blocks) id = -1;  // a bad id reads nothing outside the pool: zeros instead
+    const i64 block_bytes = (i64)block_size * num_heads * head_dim;
+    const u32* k_src = nullptr;
+    if (id >= 0) {
+        const int chunk = id / chunk_blocks;
+        const int within = id - chunk * chunk_blocks;
+        k_src = reinterpret_cast<const u32*>(reinterpret_cast<const char*>(chunk_ptrs[chunk]) +
+                                             ((i64)(2 * layer) * chunk_blocks + within) * block_bytes);
+    }
+    const i64 v_offset = (i64)chunk_blocks * block_bytes / 4;  // in words
+    const float k_mult = kv_scales[2 * layer] * PONYTAIL_FP8_WIDEN_FACTOR;
+    const float v_mult = kv_scales[2 * layer + 1] * PONYTAIL_FP8_WIDEN_FACTOR;
+    const int row_words = head_dim / 4;
+    const int per_token = num_heads * row_words;
+    const int tokens = PACKED ? min(block_size, n - first) : block_size;
+    const i64 max_tokens = (i64)max_blocks * block_size;
+    for (int i = threadIdx.x; i < tokens * per_token; i += blockDim.x) {
+        const int o = i / per_token;
+        const int rem = i - o * per_token;
+        const int h = rem / row_words;
+        const int e = (rem - h * row_words) * 4;
+        const i64 pos = first + o;
+        float kf[4] = {0.f, 0.f, 0.f, 0.f}, vf[4] = {0.f, 0.f, 0.f, 0.f};
+        if (k_src != nullptr && pos < n) {
+            fp8x4_widen(k_src[i], kf);
+            fp8x4_widen(k_src[v_offset + i], vf);
+        }
+        const i64 dst = PACKED ? ((i64)(cu_k[b] + pos) * num_heads + h) * head_dim + e
+                               : (((i64)b * num_heads + h) * max_tokens + pos) * head_dim + e;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            k_out[dst + w] = Dtype<T>::from_float(kf[w] * k_mult);
+            v_out[dst + w] = Dtype<T>::from_float(vf[w] * v_mult);
+        }
+    }
+}
+
+#define PONYTAIL_GATHER_FP8(NAME, T)                                                            \
+    extern "C" __global__ void gather_kv_fp8_##NAME(                                            \
+        T* k_out, T* v_out, const u64* chunk_ptrs, const int* block_tables, int table_stride,   \
+        const int* seq_lens, int num_heads, int head_dim, int block_size, int chunk_blocks,     \
+        int num_blocks, int layer, const float* kv_scales) {                                    \
+        gather_kv_fp8<T, false>(k_out, v_out, chunk_ptrs, block_tables, table_stride, seq_lens, \
+                                nullptr, num_heads, head_dim, block_size, chunk_blocks,         \
+                                num_blocks, layer, kv_scales);                                  \
+    }                                                                                           \
+    extern "C" __global__ void gather_kv_packed_fp8_##NAME(                                     \
+        T* k_out, T* v_out, const u64* chunk_ptrs, const int* block_tables, int table_stride,   \
+        const int* seq_lens, const int* cu_k, int num_heads, int head_dim, int block_size,      \
+        int chunk_blocks, int num_blocks, int layer, const float* kv_scales) {                  \
+        gather_kv_fp8<T, true>(k_out, v_out, chunk_ptrs, block_tables, table_stride, seq_lens,  \
+                               cu_k, num_heads, head_dim, block_size, chunk_blocks, num_blocks, \
+                               layer, kv_scales);                                               \
+    }
+
+#if defined(PONYTAIL_FP8) && !defined(PONYTAIL_WINDOWED)
+PONYTAIL_GATHER_FP8(bf16, bf16_t)
+PONYTAIL_GATHER_FP8(fp16, fp16_t)
+#elif !defined(PONYTAIL_FP8) && !defined(PONYTAIL_WINDOWED)
 PONYTAIL_GATHER(v16, uint4)
 PONYTAIL_GATHER(v8, uint2)
 PONYTAIL_GATHER(v4, unsigned int)

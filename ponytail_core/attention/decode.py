@@ -21,7 +21,8 @@ from ..utils.arith import cdiv
 
 SOURCE = "paged_attention.cu"
 DECODE_HEAD_DIMS = (64, 80, 96, 128, 256)  # instantiated in paged_attention.cu
-WINDOWED = ("PONYTAIL_WINDOWED",)  # the define that compiles paged_attention.cu's windowed kernels (_w)
+WINDOWED = "PONYTAIL_WINDOWED"  # the define that compiles paged_attention.cu's windowed kernels (_w)
+FP8 = "PONYTAIL_FP8"  # the define that compiles its kernels for FP8 pools
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 _LOG2E = 1.4426950408889634
 
@@ -34,6 +35,7 @@ LAUNCH = {
     "decode_stages": 3,  # steps in each warp's shared-memory ring (stages - 1 in flight)
     "decode_row_vectors": 1,  # 16-byte vectors of a K/V row per lane
     "max_heads_per_cta": 8,  # query heads sharing one KV head in one CTA: 1, 2, 4 or 8
+    "max_heads_per_cta_fp8": 4,  # the same for FP8 pools (paged_attention.cu instantiates 1, 2 and 4)
     "max_split_blocks": 512,  # block addresses one CTA stages in shared memory (8 bytes each)
     "min_split_tokens": 256,  # never split a sequence into pieces shorter than this
     "split_overhead_tokens": 64,  # fixed cost of one CTA, in tokens' worth of streaming
@@ -48,6 +50,18 @@ def decode_choice(choice: kernel_loader.KernelChoice, head_dim: int) -> kernel_l
         raise KernelError(f"{kernel_loader.KERNELS_ENV}=cupy but {reason}")
     return kernel_loader.KernelChoice(False, reason)
 
+
+
+def module_defines(storage: PagedKVStorage, window: int | None) -> tuple[str, ...]:
+    """The defines of the paged_attention.cu module holding this pool's kernels (FP8 or not) for a
+    layer with or without a sliding window."""
+    return (FP8,) * (storage.scales is not None) + (WINDOWED,) * (window is not None)
+
+
+def kernel_dtype(storage: PagedKVStorage) -> str:
+    """The name part of this pool's kernels: the model's dtype, prefixed fp8_ for FP8 pools."""
+    name = _DTYPE_NAMES[storage.config.dtype]
+    return name if storage.scales is None else f"fp8_{name}"
 
 
 @functools.cache
@@ -154,12 +168,13 @@ def decode_plan(storage: PagedKVStorage, batch: int, heads: int, max_blocks: int
     from the block holding its first token), not the table's width."""
     c = storage.config
     group_size = heads // c.num_kv_heads
-    group = min(LAUNCH["max_heads_per_cta"], 1 << (group_size - 1).bit_length())
+    most = LAUNCH["max_heads_per_cta_fp8" if storage.scales is not None else "max_heads_per_cta"]
+    group = min(most, 1 << (group_size - 1).bit_length())
     groups = cdiv(group_size, group)
     stages = LAUNCH["decode_stages"]
-    name = (f"paged_decode_{_DTYPE_NAMES[c.dtype]}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
+    name = (f"paged_decode_{kernel_dtype(storage)}_d{c.head_dim}_g{group}_l{LAUNCH['decode_loads']}"
             f"s{stages}v{LAUNCH['decode_row_vectors']}" + ("" if window is None else "_w"))
-    kernel = kernel_loader.get_kernel(SOURCE, name, storage.device, () if window is None else WINDOWED)
+    kernel = kernel_loader.get_kernel(SOURCE, name, storage.device, module_defines(storage, window))
     threads = 32 * LAUNCH["decode_warps"]
     largest = _decode_smem(LAUNCH["max_split_blocks"], group, c.head_dim, stages)
     _allow_smem(kernel, name, storage.device, largest)
@@ -183,7 +198,7 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
     if head_dim > 1 and query.stride(-1) != 1:
         query = query.contiguous()
     plan = decode_plan(storage, batch, heads, block_tables.shape[1], window)
-    defines = () if window is None else WINDOWED
+    defines = module_defines(storage, window)
     windowed = () if window is None else (np.int32(window),)
     kernel = kernel_loader.get_kernel(SOURCE, plan.kernel_name, device, defines)
     max_tokens = block_tables.shape[1] * c.block_size
@@ -193,6 +208,7 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
         ws_acc = torch.empty((batch, heads, plan.splits, head_dim), dtype=torch.float32, device=device)
         ws_ml = torch.empty((batch, heads, plan.splits, 2), dtype=torch.float32, device=device)
     ptr = lambda t: np.uint64(0 if t is None else t.data_ptr())  # noqa: E731
+    scales = ptr(None if storage.scales is None else storage.scales.values)
     lengths = (ptr(seq_lens), ptr(query_lens))
     if new_kv is None:
         writes = (np.uint64(0), np.uint64(0), np.int64(0), np.int64(0), np.int64(0), np.int64(0), np.uint64(0))
@@ -207,7 +223,8 @@ def decode_cupy(storage, layer, query, block_tables, seq_lens, query_lens, scale
             np.int32(block_tables.stride(0)), *lengths, np.int32(c.num_kv_heads),
             np.int32(heads // c.num_kv_heads), np.int32(c.block_size.bit_length() - 1),
             np.int32(storage.chunk_blocks), np.int32(storage.address_blocks), np.int32(layer),
-            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E), *writes, *windowed),
+            np.int32(max_tokens), np.int32(plan.split_tokens), np.float32(scale * _LOG2E), *writes, scales,
+            *windowed),
             shared_mem=plan.smem_bytes)
         if plan.splits > 1:
             name = f"paged_decode_reduce_{_DTYPE_NAMES[c.dtype]}_d{head_dim}" + ("" if window is None else "_w")

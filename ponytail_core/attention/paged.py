@@ -104,8 +104,8 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     where the caller knows it on the host (sizes the gather exactly; 0: not given). out: a contiguous
     [N, Hq, D] tensor the result is written into and returned (the flash kernels write there; the
     other paths copy). sliding_window as for `paged_attention`. pages: block_tables translated to
-    the pool's page view (kv/page_view.py, once a step): FlashAttention-4 ("fa4", no window) then
-    reads the blocks in place (fa4.fa4_paged) instead of after a packed gather.
+    the pool's page view (kv/page_view.py, once a step): FlashAttention-4 ("fa4", no window, not an FP8
+    pool) then reads the blocks in place (fa4.fa4_paged) instead of after a packed gather.
     """
     check_window(sliding_window)
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
@@ -132,7 +132,7 @@ def paged_attention_varlen(storage: PagedKVStorage, layer: int, query: torch.Ten
     if problem is None:
         check_query(storage, layer, query, query.shape[1], query.shape[2], scale)
         check_rows(storage, batch, block_tables, seq_lens, None)
-        if pages is not None and varlen == "fa4" and sliding_window is None:
+        if pages is not None and varlen == "fa4" and sliding_window is None and storage.scales is None:
             kernel_loader.log_choice("paged_attention varlen prefill",
                                      kernel_loader.KernelChoice(True, "fa4 varlen over the pool's pages"))
             k, v = pages.view.layer(layer)

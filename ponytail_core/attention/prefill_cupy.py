@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..kernels import loader as kernel_loader
 from ..kernels.launch import vector_width
 from ..kv.storage import PagedKVStorage
+from .decode import FP8, kernel_dtype
 from .flash import flash_varlen
 from .torch_fallback import allowed_keys
 
@@ -28,6 +29,9 @@ def _launch_gather(name: str, k: torch.Tensor, v: torch.Tensor, storage: PagedKV
     batch, max_blocks = block_tables.shape
     if max_blocks == 0 or batch == 0:
         return
+    if storage.scales is not None:
+        _launch_gather_fp8(name, k, v, storage, layer, block_tables, seq_lens, cu_k)
+        return
     row_bytes = c.head_dim * c.dtype_size
     width = vector_width(row_bytes)
     kernel = kernel_loader.get_kernel(SOURCE, f"{name}_v{width}", storage.device)
@@ -39,6 +43,21 @@ def _launch_gather(name: str, k: torch.Tensor, v: torch.Tensor, storage: PagedKV
             np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(row_bytes // width),
             np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
             np.int32(layer)))
+
+
+def _launch_gather_fp8(name, k, v, storage, layer, block_tables, seq_lens, cu_k) -> None:
+    """An FP8 pool's gather_kv_fp8_<dtype> / gather_kv_packed_fp8_<dtype>: dequantized into k and v."""
+    c = storage.config
+    batch, max_blocks = block_tables.shape
+    kernel = kernel_loader.get_kernel(SOURCE, f"{name}_{kernel_dtype(storage)}", storage.device, (FP8,))
+    offsets = () if cu_k is None else (np.uint64(cu_k.data_ptr()),)
+    with kernel_loader.on_torch_stream(storage.device):
+        kernel((max_blocks, batch), (LAUNCH["gather_threads"],), (
+            np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
+            np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
+            np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(c.head_dim),
+            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
+            np.int32(layer), np.uint64(storage.scales.values.data_ptr())))
 
 
 def gather_padded(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor):

@@ -16,6 +16,7 @@ import contextlib
 import functools
 import importlib.resources
 import logging
+import re
 import os
 from dataclasses import dataclass
 
@@ -84,9 +85,25 @@ def log_choice(op: str, choice: KernelChoice) -> None:
 
 def kernel_source(filename: str, defines: tuple[str, ...] = ()) -> str:
     """Source of a `.cu` file, after `#define`s of `defines` (one file, several modules: e.g.
-    paged_attention.cu's windowed kernels) and #line so compiler errors name the real file."""
+    paged_attention.cu's windowed kernels) and #line so compiler errors name the real file. Its
+    `#include "x.cuh"` lines are replaced by those headers' text, so the source CuPy caches the
+    compiled module under changes whenever a header does."""
+    return "".join(f"#define {name}\n" for name in defines) + _with_headers(filename)
+
+
+def _with_headers(filename: str) -> str:
     resource = importlib.resources.files("ponytail.cuda_kernels").joinpath(filename)
-    return "".join(f"#define {name}\n" for name in defines) + f'#line 1 "{resource}"\n' + resource.read_text()
+    lines = [f'#line 1 "{resource}"']
+    for number, line in enumerate(resource.read_text().splitlines(), start=1):
+        header = _INCLUDE.match(line)
+        if header is None:
+            lines.append(line)
+        else:
+            lines += [_with_headers(header.group(1)), f'#line {number + 1} "{resource}"']
+    return "\n".join(lines) + "\n"
+
+
+_INCLUDE = re.compile(r'^#include "([\w.]+\.cuh)"\s*$')
 
 
 @functools.cache

@@ -81,7 +81,7 @@ class PackedStepCache(PagedCacheBase):
         self._plans: dict[int | None, TorchAttentionPlan] = {}
         self._writes: SlotWrites | None = None
         # The chunks' tables as pages (FlashAttention-4 reads the blocks in place), for `_pages_of`.
-        self._read_pages = prefill_varlen == "fa4" and fa4_pages_problem() is None
+        self._read_pages = prefill_varlen == "fa4" and fa4_pages_problem() is None and not paged.config.is_fp8
         self._pages: tuple[PrefillChunks, StepPages | None] | None = None
 
     def attend(self, layer_idx, module, query, key, value, attention_mask, scale, sliding_window):
