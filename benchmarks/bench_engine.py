@@ -33,7 +33,9 @@ opening, one prompt in six 1-2k tokens long) and reports the time of each engine
 carry LLM arguments, to compare a setting with the defaults on the same requests in one run:
 --peers "ponytail,ponytail:max_num_batched_tokens=16384,vllm"; decode.<key>=<int> sets a decode-kernel
 launch tunable and inductor.<option>=<value> a torch._inductor.config option while that peer runs:
---peers "ponytail,ponytail:inductor.triton.enable_pdl=true" (programmatic dependent launch).
+--peers "ponytail,ponytail:inductor.triton.enable_pdl=true" (programmatic dependent launch). The vllm
+peer may carry vllm.LLM arguments the same way (peer_bench.VLLM_ARGS): FP8 KV against FP8 KV is
+--peers "ponytail:kv_cache_dtype=fp8;calculate_kv_scales=true,vllm:kv_cache_dtype=fp8;calculate_kv_scales=true".
 """
 
 from __future__ import annotations
@@ -299,8 +301,8 @@ def main() -> int:
     parser.add_argument("--json")
     peer_bench.add_arguments(parser)
     args = parser.parse_args()
-    peers = args.peers.split(",")
     try:
+        peers, args.vllm_engine_args = peer_bench.split_vllm_peer(args.peers.split(","))
         with_args = [p for p in peers if peer_bench.parse_peer(p)[1]]
     except ValueError as exc:
         parser.error(str(exc))

@@ -55,6 +55,27 @@ LAUNCH_PREFIX = "decode."
 INDUCTOR_PREFIX = "inductor."
 
 
+# vllm.LLM arguments a vllm peer may carry ("vllm:kv_cache_dtype=fp8"), to compare like with like.
+VLLM_ARGS = ("kv_cache_dtype", "calculate_kv_scales", "gpu_memory_utilization", "max_num_seqs",
+             "max_num_batched_tokens", "enable_prefix_caching", "block_size")
+
+
+def split_vllm_peer(peers: list[str]) -> tuple[list[str], dict]:
+    """peers with 'vllm:k=v;...' made 'vllm', and those vllm.LLM arguments (values as YAML scalars).
+    Raises ValueError naming an argument outside VLLM_ARGS, or a second vllm peer (vLLM runs once)."""
+    found = [p for p in peers if p.partition(":")[0] == "vllm"]
+    if len(found) > 1:
+        raise ValueError(f"--peers: one vllm peer at most (it runs in its own process once), got {found}")
+    engine_args = {}
+    for item in filter(None, (found[0].partition(":")[2] if found else "").split(";")):
+        name, eq, value = (part.strip() for part in item.partition("="))
+        if not eq or name not in VLLM_ARGS:
+            raise ValueError(f"--peers {found[0]!r}: {item!r}: expected <argument>=<value> with an argument of "
+                             f"{', '.join(VLLM_ARGS)}")
+        engine_args[name] = yaml.safe_load(value)
+    return ["vllm" if p in found else p for p in peers], engine_args
+
+
 def parse_peer(peer: str) -> tuple[str, dict]:
     """'ponytail:max_num_batched_tokens=16384;decode.decode_warps=8' -> ('ponytail', {kwargs});
     values are YAML scalars; decode.<key> names a decode-kernel launch tunable (an int), inductor.<option>
@@ -440,6 +461,7 @@ def run(args, peers: list[str]) -> int:
         # The dtype Ponytail will run in (its default: bf16 on CUDA, fp32 on the CPU), not the config's.
         dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
         request = {"model": model_dir, "dtype": dtype, "seed": 0, "warmup": warmup, "rounds": rounds,
+                   "engine_args": getattr(args, "vllm_engine_args", {}),
                    "check": {"prompts": check, "steps": args.check_tokens},
                    "workloads": [w.to_json() for w in workloads], "profile": args.profile}
         workdir = Path(args.vllm_workdir or tempfile.mkdtemp(prefix="bench-vllm-"))
@@ -469,12 +491,21 @@ def run(args, peers: list[str]) -> int:
             verdicts[peer] = check_ponytail(model, tokenizer, check, args.check_tokens, llm_args_for(peer, model))
     if vllm is not None:
         report["start"]["vllm"] = vllm["start"]
-        report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"]}
+        report["vllm"] = {"version": vllm["version"], "kv": vllm["kv"], "log": vllm["log"],
+                          "engine_args": getattr(args, "vllm_engine_args", {})}
+        if report["vllm"]["engine_args"]:
+            print(f"vllm: LLM arguments {report['vllm']['engine_args']}", flush=True)
         verdicts["vllm"] = check_vllm(model, check, args.check_tokens, vllm["check"])
     for peer, verdict in verdicts.items():
         print(verdict_line(peer, verdict))
         report["check"][peer] = verdict.to_dict()
-        if not verdict.passed:
+        # FP8 KV is lossy by design: its tokens may leave the fp32 reference's near ties; its accuracy is
+        # measured on real weights (fp8_accuracy.py), so a miss here is reported, and the peer still timed.
+        lossy = str((getattr(args, "vllm_engine_args", {}) if peer == "vllm" else parse_peer(peer)[1]).get(
+            "kv_cache_dtype", "auto")).startswith("fp8")
+        if not verdict.passed and lossy:
+            print(f"{peer}: FP8 KV, lossy: its check is reported, not required", flush=True)
+        elif not verdict.passed:
             print(f"{peer} produces wrong tokens: not timed", file=sys.stderr)
             return 1
 

@@ -127,7 +127,8 @@ def worker(request: dict) -> dict:
         return {"ok": False, "error": f"vllm is not importable by {sys.executable} with "
                                       f"PYTHONPATH={os.environ.get('PYTHONPATH')!r}: {type(exc).__name__}: {exc}"}
     imported_at = time.time()
-    llm = LLM(model=request["model"], dtype=request["dtype"], seed=request["seed"])  # otherwise its defaults
+    # Its defaults, but for the arguments the peer names ("vllm:kv_cache_dtype=fp8").
+    llm = LLM(model=request["model"], dtype=request["dtype"], seed=request["seed"], **request.get("engine_args", {}))
     ready_at = time.time()
     first = request["workloads"][0]["prompts"][0]
     llm.generate([TokensPrompt(prompt_token_ids=first)], _sampling(SamplingParams, 1), use_tqdm=False)
