@@ -227,3 +227,38 @@ def test_serve_and_estimate_take_the_flag(capsys):
     out = capsys.readouterr().out
     assert "FP8 (kv_cache_dtype=fp8) for a bfloat16 model (1 bytes)" in out
     assert "kv_cache_dtype=auto: 23,040 bytes" in out and "0.50x the tokens" in out
+
+
+def tiny_checkpoint(tmp_path, scales: dict[str, torch.Tensor]):
+    """A 2-layer Llama saved to tmp_path with extra tensors (the scales a quantization tool writes)."""
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    if scales:
+        save_file(scales, str(tmp_path / "kv_scales.safetensors"))
+    return LlamaForCausalLM.from_pretrained(tmp_path)
+
+
+def test_checkpoint_scales_are_read_from_its_safetensors(tmp_path):
+    names = {f"model.layers.{i}.self_attn.{kind}_scale": torch.tensor(0.01 * (i + 1) * (2 if kind == "v" else 1))
+             for i in range(2) for kind in ("k", "v")}
+    model = tiny_checkpoint(tmp_path, names)
+    cache = ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=64, kv_cache_dtype="fp8")
+    scales = cache.paged.storage.scales
+    assert scales.source == "checkpoint"
+    assert torch.allclose(scales.values, torch.tensor([[0.01, 0.02], [0.02, 0.04]]))
+
+
+@pytest.mark.parametrize("names, message", [
+    ({"model.layers.0.self_attn.k_scale": torch.ones(2), "model.layers.0.self_attn.v_scale": torch.ones(())},
+     r"model.layers.0.self_attn.k_scale has shape \(2,\); allowed: one scale per layer for K and for V"),
+    ({"model.layers.0.self_attn.k_scale": torch.ones(()), "model.layers.0.self_attn.v_scale": torch.ones(())},
+     r"has K/V scales for some layers but not k_scale of layer 1, v_scale of layer 1"),
+])
+def test_checkpoint_scales_of_the_wrong_shape_or_incomplete_are_named(tmp_path, names, message):
+    model = tiny_checkpoint(tmp_path, names)
+    with pytest.raises(ConfigError, match=message):
+        ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=64, kv_cache_dtype="fp8")
