@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..utils.dtypes import KV_CACHE_DTYPES
 from .run import BASELINES, BenchConfig, Progress, run_bench
 from .workload import WORKLOADS
 
@@ -35,6 +36,13 @@ def add_parser(commands) -> None:
     p.add_argument("--kv-cache-memory", metavar="SIZE",
                    help='Ponytail\'s KV budget, e.g. "4GiB" (default: what vLLM\'s gpu_memory_utilization=0.9 '
                         'leaves for KV, 2 GiB on the CPU)')
+    p.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], metavar="|".join(KV_CACHE_DTYPES),
+                   help="auto: K/V in the model's dtype; fp8 or fp8_e4m3: Ponytail runs twice, K/V in the model's "
+                        "dtype and then in FP8, under the same --kv-cache-memory, both in the tables and the "
+                        "memory timeline (default: auto)")
+    p.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction, default=None,
+                   help="FP8: take each layer's K/V scales from the first prompt when the checkpoint has none "
+                        "(default: on with FP8, as the embedded model has no scales)")
     p.add_argument("--baseline", default=d["baseline"], metavar="|".join(BASELINES),
                    help="time plain model.generate too, or not (default: generate)")
     p.add_argument("--baseline-batch", type=int, metavar="N",
@@ -68,7 +76,8 @@ def run_command(args: argparse.Namespace) -> int:
                          device=args.device, dtype=args.dtype, check_requests=args.check_requests,
                          check_tokens=args.check_tokens, max_num_seqs=args.max_num_seqs,
                          kv_release_after=args.kv_release_after, idle=args.idle,
-                         sample_interval=args.sample_interval, seed=args.seed)
+                         sample_interval=args.sample_interval, seed=args.seed,
+                         kv_cache_dtype=args.kv_cache_dtype, calculate_kv_scales=args.calculate_kv_scales)
     console = Console(soft_wrap=True)  # plain lines are not cut at 80 columns when piped
     if not console.is_terminal:
         console.width = max(console.width, 120)  # a log file gets the whole table
@@ -86,6 +95,8 @@ def report(result, console) -> int:
     from .plot import plot_folder
 
     console.print(result.check.summary(), highlight=False)
+    if result.agreement is not None:
+        console.print(result.agreement.summary(), highlight=False)
     out = result.config.out
     written = [files.write_json(result, out / "summary.json")]
     if not result.check.passed:

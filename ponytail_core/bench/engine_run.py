@@ -1,21 +1,53 @@
-"""The Ponytail side: every request into one engine at once, stepped to the end, the pool's state
+"""A Ponytail side: every request into one engine at once, stepped to the end, the pool's state
 published to the memory sampler after every step; then, optionally, idle time in which the pool
-gives its spare memory back."""
+gives its spare memory back. With --kv-cache-dtype fp8 there are two such sides, one per KV dtype."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from ..kv.estimate import KVEstimate
 from ..llm import LLM
 from ..sampling.params import SamplingParams
+from ..utils.dtypes import dtype_name
 from .memory import MemorySampler, PoolSnapshot
 from .speed import RequestTiming, SpeedStats, speed_stats
 from .workload import Workload
 
 IDLE_MAINTAIN_EVERY_S = 0.1  # how often the idle tail runs the pool's maintenance, like AsyncLLM idle
+
+
+@dataclass(slots=True)
+class EngineSide:
+    """One Ponytail side's KV pool: how it stores K/V, what its budget holds, and what the run used."""
+
+    kv_cache_dtype: str  # the engine's kv_cache_dtype: "auto", "fp8" or "fp8_e4m3"
+    kv_dtype: str  # the element type the pool stores, e.g. "bfloat16" or "float8_e4m3fn"
+    scales: str | None  # FP8: where the K/V scales came from (checkpoint, calculated, default); else None
+    budget_bytes: int  # the most the pool may grow to (the same --kv-cache-memory for every side)
+    bytes_per_token: int  # K and V of one token, every layer
+    capacity_tokens: int  # tokens the budget holds, in whole blocks
+    estimate: KVEstimate | None = None  # `ponytail estimate` for this run's shape and this side's dtype
+    pool_peak_bytes: int | None = None  # the most memory the pool held during the run
+    peak_running: int | None = None  # the most requests running at once
+
+    @classmethod
+    def of(cls, llm: LLM) -> "EngineSide":
+        cache = llm.engine.cache
+        config = cache.config
+        scales = cache.storage.scales
+        return cls(kv_cache_dtype=config.kv_cache_dtype, kv_dtype=dtype_name(config.kv_dtype),
+                   scales=None if scales is None else scales.source, budget_bytes=config.memory_budget,
+                   bytes_per_token=config.bytes_per_token, capacity_tokens=config.max_num_blocks * config.block_size)
+
+    @property
+    def label(self) -> str:
+        """For reports, as the plot's legend says it: "KV float32", "KV float8_e4m3fn, scales calculated"."""
+        return f"KV {self.kv_dtype}" + ("" if self.scales is None else f", scales {self.scales}")
 
 
 def pool_snapshot(llm: LLM) -> PoolSnapshot:
@@ -28,8 +60,8 @@ def pool_snapshot(llm: LLM) -> PoolSnapshot:
                         running=len(running), waiting=len(engine.scheduler.waiting))
 
 
-def run_ponytail(llm: LLM, workload: Workload, sampler: MemorySampler,
-                 on_done: Callable[[int], None]) -> tuple[SpeedStats, int]:
+def run_ponytail(llm: LLM, workload: Workload, sampler: MemorySampler, on_done: Callable[[int], None],
+                 side: str = "ponytail") -> tuple[SpeedStats, int]:
     """Run the workload; returns its speed and the most requests that ran at once.
 
     Ctrl-C aborts what is left (blocks go back to the pool) and returns what ran."""
@@ -68,7 +100,7 @@ def run_ponytail(llm: LLM, workload: Workload, sampler: MemorySampler,
     for request in requests:
         engine.forget(request.request_id)
     stats = engine.stats()
-    speed = speed_stats("ponytail", timings, seconds, len(requests), done, interrupted,
+    speed = speed_stats(side, timings, seconds, len(requests), done, interrupted,
                         note=f"{stats.num_preemptions} preemptions, prefix hit rate {stats.prefix_hit_rate:.0%}")
     return speed, peak_running
 

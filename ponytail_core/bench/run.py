@@ -1,6 +1,10 @@
 """`ponytail bench` end to end: load the model, check outputs, time both sides while sampling
 memory, then estimate vs measurement. The three steps come in the order of the usual advice
-for a KV-cache plug-in: outputs before speed, speed before memory pictures."""
+for a KV-cache plug-in: outputs before speed, speed before memory pictures.
+
+With --kv-cache-dtype fp8 the engine runs the same workload twice, K/V in the model's dtype
+("ponytail") and then in FP8 ("ponytail fp8"), under the same KV budget, so the two dtypes share
+the memory timeline and the tables."""
 
 from __future__ import annotations
 
@@ -13,19 +17,22 @@ from typing import Callable
 import torch
 
 from ..errors import ConfigError
-from ..kv.config import CacheConfig
-from ..kv.estimate import KVEstimate, estimate_from_config
+from ..kv.config import CacheConfig, resolve_device
+from ..kv.estimate import estimate_from_config
 from ..llm import LLM
 from ..models.loader import load_model
+from ..utils.dtypes import resolve_dtype, resolve_kv_cache_dtype
 from ..utils.units import is_seconds, parse_bytes
 from .baseline import run_generate
-from .engine_run import idle, pool_snapshot, run_ponytail
+from .engine_run import EngineSide, idle, pool_snapshot, run_ponytail
+from .kv_agreement import KVAgreement, kv_agreement
 from .memory import DeviceProbe, MemorySample, MemorySampler
 from .output_check import OutputCheck, check_outputs
 from .speed import SpeedStats
 from .workload import WORKLOADS, Workload, make_workload
 
 BASELINES = ("generate", "none")
+AUTO_SIDE = "ponytail"  # the engine with K/V in the model's dtype; its outputs are the ones checked
 
 
 @dataclass(slots=True)
@@ -50,6 +57,8 @@ class BenchConfig:
     idle: float = 0.0  # seconds the pool is watched after the last request
     sample_interval: float = 0.05  # seconds between memory samples
     seed: int = 0
+    kv_cache_dtype: str = "auto"  # fp8 / fp8_e4m3: a second Ponytail side storing K/V in FP8
+    calculate_kv_scales: bool | None = None  # the FP8 side's; None: on (the embedded model has no scales)
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -69,7 +78,32 @@ class BenchConfig:
             raise ConfigError(f"--sample-interval {self.sample_interval!r} is invalid; allowed: seconds > 0")
         if self.kv_cache_memory is not None:
             parse_bytes(self.kv_cache_memory, "--kv-cache-memory")
+        self.kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, "--kv-cache-dtype")
+        if self.calculate_kv_scales is not None and not isinstance(self.calculate_kv_scales, bool):
+            raise ConfigError(f"--calculate-kv-scales {self.calculate_kv_scales!r} is invalid; allowed: True, "
+                              "False or None (on with FP8)")
+        if self.kv_cache_dtype == "auto" and self.calculate_kv_scales is not None:
+            # Scales exist only for FP8: the flag would silently do nothing.
+            raise ConfigError("--calculate-kv-scales/--no-calculate-kv-scales applies to an FP8 KV cache; "
+                              "allowed: with --kv-cache-dtype fp8 or fp8_e4m3")
+        if self.calculate_kv_scales is None:
+            # Without checkpoint scales FP8 would use 1.0 and round small K/V to zero; a checkpoint that
+            # has scales keeps them anyway (models/kv_scales.py reads those first).
+            self.calculate_kv_scales = self.kv_cache_dtype != "auto"
         self.out = Path(self.out)
+
+    def engine_sides(self) -> list[tuple[str, str]]:
+        """(side, kv_cache_dtype) of each Ponytail run, in the order they run."""
+        sides = [(AUTO_SIDE, "auto")]
+        if self.kv_cache_dtype != "auto":
+            sides.append((f"{AUTO_SIDE} {self.kv_cache_dtype}", self.kv_cache_dtype))
+        return sides
+
+    def engine_kwargs(self, kv_cache_dtype: str) -> dict:
+        """LLM() arguments that differ between the Ponytail sides."""
+        if kv_cache_dtype == "auto":
+            return {}
+        return {"kv_cache_dtype": kv_cache_dtype, "calculate_kv_scales": self.calculate_kv_scales}
 
 
 @dataclass(slots=True)
@@ -84,10 +118,8 @@ class BenchResult:
     speeds: dict[str, SpeedStats] = field(default_factory=dict)  # side -> speed
     notes: dict[str, str] = field(default_factory=dict)  # side -> why it has no numbers
     samples: list[MemorySample] = field(default_factory=list)
-    kv_budget_bytes: int | None = None  # Ponytail's KV budget
-    kv_pool_peak_bytes: int | None = None
-    peak_running: int | None = None  # most Ponytail requests running at once
-    estimate: KVEstimate | None = None
+    engines: dict[str, EngineSide] = field(default_factory=dict)  # Ponytail side -> its KV pool and peaks
+    agreement: KVAgreement | None = None  # the FP8 side's greedy tokens against the auto side's
     interrupted: bool = False
 
 
@@ -101,6 +133,7 @@ class Progress:
 
 def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchResult:
     progress = progress or Progress()
+    _check_fp8_dtype(config)
     model, tokenizer = load_model(config.model, device=config.device, dtype=config.dtype)
     device = next(model.parameters()).device
     vocab = model.config.get_text_config().vocab_size
@@ -123,12 +156,24 @@ def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchRes
                          weights_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     if not check.passed:
         return result  # no speed is quoted for wrong outputs
+    if check.checked and len(config.engine_sides()) > 1:
+        side, kv_cache_dtype = config.engine_sides()[1]
+        progress.phase(f"{kv_cache_dtype} check", len(sample))
+
+        def generate_fp8(prompts, params):
+            llm = LLM(model, max_model_len=check_len, **llm_kwargs, **config.engine_kwargs(kv_cache_dtype))
+            return llm.generate(prompts, params)
+
+        result.agreement = kv_agreement(side, kv_cache_dtype, sample, check.ponytail.tokens, generate_fp8)
+        progress.advance(len(sample))
     sampler = MemorySampler(probe, config.sample_interval)
     try:
         if config.baseline == "generate":
             _run_baseline(model, tokenizer, workload, config, sampler, progress, result)
-        if not result.interrupted:
-            _run_engine(model, workload, llm_kwargs, config, sampler, progress, result)
+        for side, kv_cache_dtype in config.engine_sides():
+            if result.interrupted:
+                break
+            _run_engine(model, workload, llm_kwargs, config, sampler, progress, result, side, kv_cache_dtype)
     except KeyboardInterrupt:  # between the sides' own loops (which stop cleanly themselves)
         result.interrupted = True
     finally:
@@ -156,28 +201,41 @@ def _run_baseline(model, tokenizer, workload, config, sampler, progress, result)
     _fresh_memory(device)
 
 
-def _run_engine(model, workload, llm_kwargs, config, sampler, progress, result) -> None:
-    llm = LLM(model, max_model_len=workload.max_seq_len, **llm_kwargs)
+def _run_engine(model, workload, llm_kwargs, config, sampler, progress, result, side, kv_cache_dtype) -> None:
+    llm = LLM(model, max_model_len=workload.max_seq_len, **llm_kwargs, **config.engine_kwargs(kv_cache_dtype))
     cache_config = llm.engine.cache.config
-    result.kv_budget_bytes = cache_config.memory_budget
-    result.estimate = estimate_from_config(
+    engine = result.engines[side] = EngineSide.of(llm)
+    engine.estimate = estimate_from_config(
         CacheConfig.from_model(model, max_batch_size=min(len(workload.prompts), config.max_num_seqs),
-                               max_seq_len=workload.max_seq_len, block_size=cache_config.block_size, device=cache_config.device),
+                               max_seq_len=workload.max_seq_len, block_size=cache_config.block_size,
+                               device=cache_config.device, kv_cache_dtype=cache_config.kv_cache_dtype),
         gpu_memory=cache_config.memory_budget)
-    progress.phase("ponytail", len(workload.prompts))
-    sampler.start("ponytail", pool_snapshot(llm))  # the pool as built, before the first step
+    progress.phase(side, len(workload.prompts))
+    sampler.start(side, pool_snapshot(llm))  # the pool as built, before the first step
     try:
-        speed, result.peak_running = run_ponytail(llm, workload, sampler, progress.advance)
-        result.speeds["ponytail"] = speed
+        speed, engine.peak_running = run_ponytail(llm, workload, sampler, progress.advance, side)
+        result.speeds[side] = speed
         result.interrupted = speed.interrupted
         if not speed.interrupted and config.idle > 0:
             progress.phase(f"idle {config.idle:g} s", 0)
             result.interrupted = idle(llm, sampler, config.idle)
     finally:
         sampler.stop()
-        result.kv_pool_peak_bytes = llm.engine.cache.peak_allocated_bytes
+        engine.pool_peak_bytes = llm.engine.cache.peak_allocated_bytes
         del llm
         _fresh_memory(next(model.parameters()).device)
+
+
+def _check_fp8_dtype(config: BenchConfig) -> None:
+    """FP8 on CUDA needs a 16-bit model (its kernels dequantize into bf16/fp16): say so before the
+    model loads rather than after the auto side's check has run."""
+    if config.kv_cache_dtype == "auto" or config.dtype is None:
+        return
+    device = resolve_device(None if config.device == "auto" else config.device, "--device")
+    if device.type == "cuda" and resolve_dtype(config.dtype, "--dtype") == torch.float32:
+        raise ConfigError(f"--kv-cache-dtype {config.kv_cache_dtype} with --dtype float32 on {device}: the FP8 "
+                          "kernels dequantize into bfloat16 or float16; allowed: --dtype bfloat16 or float16, "
+                          "or --kv-cache-dtype auto")
 
 
 def _fresh_memory(device: torch.device) -> None:
