@@ -25,6 +25,20 @@ __device__ __forceinline__ char* block_base(const unsigned long long* __restrict
            ((i64)layer_kv * chunk_blocks + within) * layer_block_bytes;
 }
 
+// Where a token in `slot` of `layer` keeps its K row (every head, row_bytes each as stored) and its V
+// row; false for a padding slot (< 0), which is skipped.
+__device__ __forceinline__ bool slot_rows(const unsigned long long* __restrict__ chunk_ptrs, i64 slot,
+                                          int layer, int num_heads, int row_bytes, int block_size,
+                                          int chunk_blocks, char** k_dst, char** v_dst) {
+    if (slot < 0) return false;
+    const i64 block = slot / block_size;
+    const i64 layer_block_bytes = (i64)block_size * num_heads * row_bytes;
+    const i64 in_block = (slot - block * block_size) * num_heads * row_bytes;
+    *k_dst = block_base(chunk_ptrs, block, 2 * layer, chunk_blocks, layer_block_bytes) + in_block;
+    *v_dst = block_base(chunk_ptrs, block, 2 * layer + 1, chunk_blocks, layer_block_bytes) + in_block;
+    return true;
+}
+
 // grid = (num_tokens, num_layers_in), one CTA per (token, layer); each CTA writes that token's
 // K and V rows for all heads. Slots < 0 are padding and skipped.
 // Strides are in bytes; head_dim is contiguous in the source.
@@ -38,15 +52,10 @@ __device__ void write_slots(const char* __restrict__ keys, const char* __restric
                             int layer_start) {
     const int token = blockIdx.x;
     const int layer_in = blockIdx.y;
-    const i64 slot = slot_mapping[token];
-    if (slot < 0) return;
-    const i64 block = slot / block_size;
-    const int offset = (int)(slot - block * block_size);
-    const i64 layer_block_bytes = (i64)block_size * num_heads * row_bytes;
-    const int layer = layer_start + layer_in;
-    const i64 in_block = (i64)offset * num_heads * row_bytes;
-    char* k_dst = block_base(chunk_ptrs, block, 2 * layer, chunk_blocks, layer_block_bytes) + in_block;
-    char* v_dst = block_base(chunk_ptrs, block, 2 * layer + 1, chunk_blocks, layer_block_bytes) + in_block;
+    char *k_dst, *v_dst;
+    if (!slot_rows(chunk_ptrs, slot_mapping[token], layer_start + layer_in, num_heads, row_bytes, block_size,
+                   chunk_blocks, &k_dst, &v_dst))
+        return;
     const char* k_src = keys + layer_in * k_layer_stride + token * k_token_stride;
     const char* v_src = values + layer_in * v_layer_stride + token * v_token_stride;
 
@@ -77,17 +86,13 @@ __device__ void write_slots_fp8(const unsigned short* __restrict__ keys, const u
                                 int layer_start) {
     const int token = blockIdx.x;
     const int layer_in = blockIdx.y;
-    const i64 slot = slot_mapping[token];
-    if (slot < 0) return;
-    const i64 block = slot / block_size;
-    const int offset = (int)(slot - block * block_size);
-    const i64 layer_block_bytes = (i64)block_size * num_heads * head_dim;
     const int layer = layer_start + layer_in;
-    const i64 in_block = (i64)offset * num_heads * head_dim;
-    unsigned int* k_dst = reinterpret_cast<unsigned int*>(
-        block_base(chunk_ptrs, block, 2 * layer, chunk_blocks, layer_block_bytes) + in_block);
-    unsigned int* v_dst = reinterpret_cast<unsigned int*>(
-        block_base(chunk_ptrs, block, 2 * layer + 1, chunk_blocks, layer_block_bytes) + in_block);
+    char *k_row, *v_row;  // one byte an element
+    if (!slot_rows(chunk_ptrs, slot_mapping[token], layer, num_heads, head_dim, block_size, chunk_blocks,
+                   &k_row, &v_row))
+        return;
+    unsigned int* k_dst = reinterpret_cast<unsigned int*>(k_row);
+    unsigned int* v_dst = reinterpret_cast<unsigned int*>(v_row);
     const unsigned short* k_src = keys + layer_in * k_layer_stride + token * k_token_stride;
     const unsigned short* v_src = values + layer_in * v_layer_stride + token * v_token_stride;
     const float k_scale = kv_scales[2 * layer], v_scale = kv_scales[2 * layer + 1];

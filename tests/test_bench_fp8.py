@@ -15,16 +15,7 @@ from ponytail.bench.memory import MemorySample, PoolSnapshot
 from ponytail.bench.plot import plot_folder
 from ponytail.bench.report import write_csv
 from ponytail.bench.run import BenchConfig
-from ponytail.cli import main
-
-SMALL = ["--prompt-len", "8", "--output-len", "4", "--check-requests", "2", "--check-tokens", "3",
-         "--sample-interval", "0.02"]
-
-
-def run(capsys, *argv):
-    code = main(list(argv))
-    out, err = capsys.readouterr()
-    return code, out, err
+from test_bench_command import SMALL, run
 
 
 def parsed_config(monkeypatch, capsys, *argv) -> BenchConfig:

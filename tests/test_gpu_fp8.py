@@ -15,6 +15,7 @@ from ponytail.attention.decode import NewTokenKV
 from ponytail.attention.paged import paged_attention, paged_attention_varlen
 from ponytail.kv.scales import quantize
 from cache_machine import kernels
+from test_fp8_kv import fill
 
 pytestmark = pytest.mark.gpu
 LAYERS = 2
@@ -36,26 +37,12 @@ def spread(shape, gen, dtype):
 
 
 def fill_rows(cache, lengths, gen, dtype):
-    """Rows appended in turn so their blocks interleave; returns tables and seq_lens on CUDA."""
+    """Rows of random K/V appended in turn so their blocks interleave; tables and seq_lens on CUDA."""
     c = cache.config
-    for row, n in enumerate(lengths):
-        assert cache.allocate(row, [])
-    written = [0] * len(lengths)
-    while any(w < n for w, n in zip(written, lengths)):
-        for row, n in enumerate(lengths):
-            take = min(n - written[row], 37)
-            if take <= 0:
-                continue
-            result = cache.append(row, [row * 100_000 + written[row] + i for i in range(take)])
-            shape = (LAYERS, take, c.num_kv_heads, c.head_dim)
-            cache.write(spread(shape, gen, dtype), spread(shape, gen, dtype), result.slots)
-            written[row] += take
-    width = max(len(cache.block_table(r)) for r in range(len(lengths))) + 2
-    tables = torch.full((len(lengths), width), -1, dtype=torch.int32)
-    for row in range(len(lengths)):
-        table = cache.block_table(row)
-        tables[row, : len(table)] = torch.tensor(table, dtype=torch.int32)
-    return tables.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    shapes = [(LAYERS, n, c.num_kv_heads, c.head_dim) for n in lengths]
+    keys, values = [spread(s, gen, dtype) for s in shapes], [spread(s, gen, dtype) for s in shapes]
+    tables, seq_lens = fill(cache, lengths, keys, values)
+    return tables.cuda(), seq_lens.cuda()
 
 
 def rel_error(out, ref):

@@ -24,40 +24,28 @@ LAUNCH = {"gather_threads": 256}  # threads of one gather CTA
 
 def _launch_gather(name: str, k: torch.Tensor, v: torch.Tensor, storage: PagedKVStorage, layer: int,
                    block_tables: torch.Tensor, seq_lens: torch.Tensor, cu_k: torch.Tensor | None) -> None:
-    """gather_kv_v<width> (padded) or gather_kv_packed_v<width> (cu_k given): same grid, same tail."""
+    """gather_kv_v<width> (padded) or gather_kv_packed_v<width> (cu_k given): same grid, same tail; an
+    FP8 pool's gather_kv[_packed]_fp8_<dtype> take the same arguments and its scales."""
     c = storage.config
     batch, max_blocks = block_tables.shape
     if max_blocks == 0 or batch == 0:
         return
-    if storage.scales is not None:
-        _launch_gather_fp8(name, k, v, storage, layer, block_tables, seq_lens, cu_k)
-        return
-    row_bytes = c.head_dim * c.dtype_size
-    width = vector_width(row_bytes)
-    kernel = kernel_loader.get_kernel(SOURCE, f"{name}_v{width}", storage.device)
+    if storage.scales is None:  # bytes moved as they are, in the widest vectors a row allows
+        row_bytes = c.head_dim * c.dtype_size
+        width = vector_width(row_bytes)
+        kernel = kernel_loader.get_kernel(SOURCE, f"{name}_v{width}", storage.device)
+        row, scales = row_bytes // width, ()
+    else:  # FP8: dequantized into k and v (gather_kv[_packed]_fp8_<dtype>: a row in elements, the scales last)
+        kernel = kernel_loader.get_kernel(SOURCE, f"{name}_{kernel_dtype(storage)}", storage.device, (FP8,))
+        row, scales = c.head_dim, (np.uint64(storage.scales.values.data_ptr()),)
     offsets = () if cu_k is None else (np.uint64(cu_k.data_ptr()),)
     with kernel_loader.on_torch_stream(storage.device):
         kernel((max_blocks, batch), (LAUNCH["gather_threads"],), (
             np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
             np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
-            np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(row_bytes // width),
+            np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(row),
             np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
-            np.int32(layer)))
-
-
-def _launch_gather_fp8(name, k, v, storage, layer, block_tables, seq_lens, cu_k) -> None:
-    """An FP8 pool's gather_kv_fp8_<dtype> / gather_kv_packed_fp8_<dtype>: dequantized into k and v."""
-    c = storage.config
-    batch, max_blocks = block_tables.shape
-    kernel = kernel_loader.get_kernel(SOURCE, f"{name}_{kernel_dtype(storage)}", storage.device, (FP8,))
-    offsets = () if cu_k is None else (np.uint64(cu_k.data_ptr()),)
-    with kernel_loader.on_torch_stream(storage.device):
-        kernel((max_blocks, batch), (LAUNCH["gather_threads"],), (
-            np.uint64(k.data_ptr()), np.uint64(v.data_ptr()), storage.cupy_chunk_ptrs,
-            np.uint64(block_tables.data_ptr()), np.int32(block_tables.stride(0)),
-            np.uint64(seq_lens.data_ptr()), *offsets, np.int32(c.num_kv_heads), np.int32(c.head_dim),
-            np.int32(c.block_size), np.int32(storage.chunk_blocks), np.int32(storage.address_blocks),
-            np.int32(layer), np.uint64(storage.scales.values.data_ptr())))
+            np.int32(layer), *scales))
 
 
 def gather_padded(storage: PagedKVStorage, layer: int, block_tables: torch.Tensor, seq_lens: torch.Tensor):

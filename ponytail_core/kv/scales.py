@@ -4,13 +4,13 @@ A layer's K (and its V) is stored as `fp8(clamp(x / scale, -448, 448))` and read
 `float(stored) * scale`: one fp32 scale per layer for K and one for V (per-tensor, as the
 checkpoints of llm-compressor and vLLM carry them). The scales live on the pool's device as a
 [num_layers, 2] fp32 tensor, so kernels read them without a host round trip and a calculation
-(`calculate_on_first_write`) changes them in place without a sync.
+(`calculate_on_first_write`) changes them in place.
 
-Where the scales come from, in order (`choose_scales`, loader side):
+Where the scales come from, in order (models/kv_scales.py's `set_kv_scales`):
   * the checkpoint's `k_scale` / `v_scale` (or `k_proj.output_scale` / `v_proj.output_scale`);
   * calculated from the first K/V the pool is given, as vLLM's calculate_kv_scales does:
     amax(|K|) / 200 and amax(|V|) / 100, headroom for later tokens larger than the first batch's;
-  * else 1.0, with a warning: then values below about 0.002 are rounded to zero or subnormals.
+  * else 1.0, with a warning: then values below 2^-6 lose precision in E4M3's subnormals.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class KVScales:
     def observe(self, layer_start: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
         """keys/values [layers, tokens, heads, dim] about to be written from layer_start to `slots`
         (-1: not written): layers still waiting for their scales take them from the written tokens'
-        values (on the device, no host sync)."""
+        values. Selecting the written tokens waits for the device once a call, on the first prompt only."""
         written = slots >= 0
         keys, values = keys[:, written], values[:, written]
         for i in range(keys.shape[0]):
