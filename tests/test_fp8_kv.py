@@ -262,3 +262,11 @@ def test_checkpoint_scales_of_the_wrong_shape_or_incomplete_are_named(tmp_path, 
     model = tiny_checkpoint(tmp_path, names)
     with pytest.raises(ConfigError, match=message):
         ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=64, kv_cache_dtype="fp8")
+
+
+def test_create_cache_names_a_calculate_kv_scales_that_is_not_a_bool():
+    with pytest.raises(ConfigError, match=r"calculate_kv_scales='yes' is not supported; allowed: True or False"):
+        ponytail.create_cache(num_layers=1, num_heads=1, head_dim=8, max_batch_size=1, max_seq_len=16,
+                              kv_cache_dtype="fp8", calculate_kv_scales="yes")
+    with pytest.raises(ConfigError, match=r"calculate_kv_scales='yes' is not supported; allowed: True or False"):
+        ponytail.LLM(None, calculate_kv_scales="yes")  # refused before any model loads

@@ -23,7 +23,6 @@ from ..utils.dtypes import FP8_MAX
 # vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: the first batch's largest |K| lands at 200, |V| at 100.
 K_SCALE_CONSTANT = 200.0
 V_SCALE_CONSTANT = 100.0
-SOURCES = ("checkpoint", "calculated", "default")
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -49,17 +48,15 @@ class KVScales:
     def __init__(self, num_layers: int, device: torch.device):
         self.num_layers = num_layers
         self.values = torch.ones((num_layers, 2), dtype=torch.float32, device=device)
-        self.source = "default"
+        self.source = "default"  # then "checkpoint" (set) or "calculated" (calculate_on_first_write)
         self._pending: set[int] = set()  # layers whose scales the next write calculates
 
-    def set(self, k_scales: object, v_scales: object, source: str = "checkpoint") -> None:
-        """Take one scale per layer for K and for V: a number, or a tensor of shape (), (1,) or
-        (num_layers,); every scale must be finite and positive."""
-        if source not in SOURCES:
-            raise ConfigError(f"source={source!r} is not supported; allowed: {', '.join(SOURCES)}")
+    def set(self, k_scales: object, v_scales: object) -> None:
+        """Take one scale per layer for K and for V (a checkpoint's): a number, or a tensor of shape
+        (), (1,) or (num_layers,); every scale must be finite and positive."""
         columns = [self._per_layer(name, value) for name, value in (("k_scale", k_scales), ("v_scale", v_scales))]
         self.values.copy_(torch.stack(columns, dim=1).to(self.values.device))
-        self.source = source
+        self.source = "checkpoint"
         self._pending.clear()
 
     def calculate_on_first_write(self) -> None:

@@ -30,7 +30,7 @@ def set_kv_scales(scales: KVScales, model: Any, calculate: bool = False) -> str:
     `calculate`), else 1.0 with a warning. Returns where they came from (KVScales.source)."""
     found = scales_in_modules(model, scales.num_layers) or scales_in_checkpoint(model, scales.num_layers)
     if found is not None:
-        scales.set(*found, source="checkpoint")
+        scales.set(*found)
         logger.info("FP8 KV cache: per-layer K/V scales from the checkpoint")
     elif calculate:
         scales.calculate_on_first_write()
