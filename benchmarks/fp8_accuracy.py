@@ -128,7 +128,7 @@ def perplexity(model, tokens: list[int], *, kv_cache_dtype: str = "auto", calcul
     cache = ponytail.create_cache(model=model, max_batch_size=1, max_seq_len=window, kv_cache_dtype=kv_cache_dtype,
                                   calculate_kv_scales=calculate_kv_scales and kv_cache_dtype != "auto")
     if scales is not None:
-        cache.paged.storage.scales.set(*scales, source="checkpoint")
+        cache.paged.storage.scales.set(*scales)
     nll, predicted = 0.0, 0
     for start in range(0, len(tokens), body):
         ids = torch.tensor([prefix + tokens[start:start + body]])
